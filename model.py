@@ -1,0 +1,282 @@
+"""The LLaMA-family decoder (Llama-2/3/3.1, Vicuna, Mistral, SmolLM2, Qwen2) in plain PyTorch.
+
+gpt-fast style: a preallocated static KV cache written at `input_pos`, RoPE precomputed as real
+(cos, sin) tables, attention as one `scaled_dot_product_attention` call under a boolean mask.
+
+Two things beyond plain decoding, both needed by EAGLE:
+- `forward` takes an arbitrary boolean mask over the cache and explicit rotary positions, so a draft
+  tree can be verified in one call (a node sees the prefix and its own ancestors only);
+- it returns the post-final-norm hidden states (the EAGLE "feature") beside the logits.
+
+q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original);
+`scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it.
+"""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt or does not describe a supported model."""
+
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 576
+    n_layer: int = 30
+    n_head: int = 9
+    n_local_heads: int = 3  # key/value heads (grouped-query attention)
+    intermediate_size: int = 1536
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3.1 "llama3" scaling
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    head_dim: int = field(default=0)
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_head
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        """Build from a HF `config.json` dict (LlamaConfig / MistralConfig / Qwen2Config keys)."""
+        archs = config.get("architectures") or ["LlamaForCausalLM"]
+        if archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        scaling = config.get("rope_scaling")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
+            raise CheckpointError(f"unsupported rope_scaling {scaling}; only 'llama3' scaling is implemented")
+        n_head = config["num_attention_heads"]
+        return cls(
+            dim=config["hidden_size"],
+            n_layer=config["num_hidden_layers"],
+            n_head=n_head,
+            n_local_heads=config.get("num_key_value_heads") or n_head,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-5),
+            rope_base=config.get("rope_theta", 10000.0),
+            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            attention_bias=config.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_head,
+        )
+
+    @classmethod
+    def from_checkpoint_dir(cls, checkpoint_dir: Path) -> "ModelArgs":
+        path = Path(checkpoint_dir) / "config.json"
+        try:
+            return cls.from_config(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} not found") from None
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path} is not a valid model config ({type(e).__name__}: {e})") from None
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values, [batch, kv_heads, max_seq_len, head_dim], written at `input_pos`."""
+
+    def __init__(self, batch_size, max_seq_len, n_heads, head_dim, dtype):
+        super().__init__()
+        shape = (batch_size, n_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        return self.k_cache, self.v_cache
+
+    def move(self, src: Tensor, dst: Tensor):
+        """Copy cache slots `src` to slots `dst` (committing an accepted tree path)."""
+        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
+        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+
+
+def causal_mask(input_pos: Tensor, max_seq_len: int) -> Tensor:
+    """[T, max_seq_len] bool: the token in cache slot input_pos[i] sees slots 0..input_pos[i]."""
+    return torch.arange(max_seq_len, device=input_pos.device)[None, :] <= input_pos[:, None]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_seq_len = 0
+        self.max_batch_size = 0
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None):
+        """(Re)allocate the KV caches and the rotary tables for `max_seq_len` positions."""
+        if self.max_seq_len == max_seq_len and self.max_batch_size == max_batch_size:
+            return
+        dtype = dtype or self.output.weight.dtype
+        device = self.output.weight.device
+        c = self.config
+        self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(device)
+        cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+    def kv_caches(self):
+        return [layer.attention.kv_cache for layer in self.layers]
+
+    def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
+                rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
+        """Run tokens `idx` [B, T] written to cache slots `input_pos` [T].
+
+        mask: [T, max_seq_len] bool, True where a query may attend to a cache slot (default: causal).
+        rope_pos: [T] rotary positions (default: input_pos); differs from the slot for tree nodes.
+        logits_at: indices into T where logits are wanted (default: all positions).
+        Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
+        hidden states, the input of the LM head.
+        """
+        if mask is None:
+            mask = causal_mask(input_pos, self.max_seq_len)
+        if rope_pos is None:
+            rope_pos = input_pos
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, cos, sin, mask)
+        features = self.norm(x)
+        selected = features if logits_at is None else features[:, logits_at]
+        return self.output(selected), features
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=torch.float32) -> "Transformer":
+        """Load `model.pth` and the `config.json` beside it."""
+        checkpoint_path = Path(checkpoint_path)
+        if not checkpoint_path.is_file():
+            raise CheckpointError(f"{checkpoint_path} not found")
+        config = ModelArgs.from_checkpoint_dir(checkpoint_path.parent)
+        try:
+            state = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{checkpoint_path} cannot be read ({type(e).__name__}); convert it again") from None
+        if config.tie_embeddings and "tok_embeddings.weight" in state:
+            state["output.weight"] = state["tok_embeddings.weight"]
+        with torch.device("meta"):
+            model = cls(config)
+        try:
+            model.load_state_dict(state, assign=True, strict=True)
+        except RuntimeError as e:
+            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+            raise CheckpointError(f"{checkpoint_path} does not match its config.json: {first}") from None
+        if config.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+    def state_dict_for_save(self):
+        state = self.state_dict()
+        if self.config.tie_embeddings:
+            state.pop("output.weight")
+        return state
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs, bias: Optional[bool] = None):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        qkv_dim = (config.n_head + 2 * config.n_local_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias if bias is None else bias)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(bsz, seqlen, self.n_head, self.head_dim), cos, sin)
+        k = apply_rope(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), cos, sin)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        k, v = self.kv_cache.update(input_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def precompute_rope(seq_len: int, head_dim: int, base: float, scaling: Optional[dict] = None):
+    """cos, sin tables [seq_len, head_dim // 2] in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scale_frequencies(inv_freq, scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama-3.1 rope scaling: long wavelengths slowed by `factor`, a smooth ramp in between."""
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low_freq_factor, old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    middle = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return torch.where(middle, smoothed, scaled)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, heads, head_dim]; cos/sin [T, head_dim//2]."""
+    xs = x.reshape(*x.shape[:-1], -1, 2)
+    x0, x1 = xs[..., 0], xs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).type_as(x)
