@@ -56,7 +56,8 @@ class ModelArgs:
         if archs[0] not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
                 f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-        scaling = config.get("rope_scaling")
+        rope = config.get("rope_parameters") or {}  # transformers >= 5 keeps rope_theta and the scaling here
+        scaling = config.get("rope_scaling") or rope or None
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default"):
             raise CheckpointError(f"unsupported rope_scaling {scaling}; only 'llama3' scaling is implemented")
         n_head = config["num_attention_heads"]
@@ -68,7 +69,7 @@ class ModelArgs:
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_base=config.get("rope_theta", 10000.0),
+            rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
             tie_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
@@ -280,3 +281,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x0, x1 = xs[..., 0], xs[..., 1]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).type_as(x)
+
+
+def halves_to_interleaved(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """HF q/k rows (per head: all first halves, then all second halves) -> interleaved pairs."""
+    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+def interleaved_to_halves(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    return w.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)

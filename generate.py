@@ -1,0 +1,539 @@
+"""Vanilla and EAGLE speculative generation, and an interactive chat, for LLaMA-family models.
+
+    python generate.py --prompt "Tell me about owls"                 # default model, vanilla
+    python generate.py --prompt "Tell me about owls" --eagle         # with the shipped EAGLE head
+    python generate.py --chat --eagle --compile
+
+EAGLE cycle (one target forward per cycle):
+  draft   the head grows a tree from the last committed token, one head forward per tree level;
+  verify  the target runs once over the whole tree under a tree attention mask;
+  accept  the longest path the target agrees with (greedy) or that survives the lossless
+          sampling rule below, plus one bonus token from the target;
+  commit  the accepted path's KV entries move to contiguous cache slots, and the head re-reads the
+          target's true features of the accepted tokens (so draft error never accumulates).
+"""
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle_head import EagleHead
+from model import CheckpointError, Transformer, causal_mask
+from tree import DynamicTree, Tree, ancestor_mask, parse_tree
+
+REPO_ROOT = Path(__file__).resolve().parent
+DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what to do."""
+
+
+# ---------------------------------------------------------------- sampling
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
+    """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > s.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(logits: Tensor, s: Sampling) -> Tensor:
+    """A token id per row of logits [..., vocab]."""
+    if s.greedy:
+        return logits.argmax(-1)
+    return torch.multinomial(logits_to_probs(logits, s).reshape(-1, logits.shape[-1]), 1).view(logits.shape[:-1])
+
+
+# ---------------------------------------------------------------- model steps (compiled with --compile)
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor):
+    """Logits at the last position [1, 1, V] and features at all positions [1, T, dim]."""
+    return model(tokens, input_pos, logits_at=slice(-1, None))
+
+
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor):
+    return model(token, input_pos)
+
+
+def tree_attention_mask(base: Tensor, tree_mask: Tensor, max_seq_len: int) -> Tensor:
+    """[n, max_seq_len]: every node sees cache slots < base and its ancestors at slots base + j."""
+    n = tree_mask.shape[0]
+    cols = torch.arange(max_seq_len, device=tree_mask.device)
+    rel = cols - base
+    in_tree = (rel >= 0) & (rel < n)
+    return (cols < base)[None, :] | (tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :])
+
+
+def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, tree_mask: Tensor):
+    """Target over all tree nodes at slots base.., rotary positions base + depth: logits, features."""
+    input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
+    mask = tree_attention_mask(base, tree_mask, target.max_seq_len)
+    return target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
+
+
+def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
+               input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int):
+    """Head forward on draft nodes (tokens [1, m] paired with their parents' features [1, m, dim]).
+    Returns the predicted features [1, m, dim] and the top-k draft log-probs and tokens [1, m, k]."""
+    hidden = head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos)
+    logp = target.output(hidden).float().log_softmax(-1)
+    top = logp.topk(k, dim=-1)
+    return hidden, top.values, top.indices
+
+
+def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
+                input_pos: Tensor, last: Tensor, k: int):
+    """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos; return the head's
+    prediction at index `last` [1, 1, dim] and its top-k draft log-probs/tokens [1, 1, k]."""
+    mask = causal_mask(input_pos, head.max_seq_len)
+    hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
+    hidden = hidden.index_select(1, last)
+    top = target.output(hidden).float().log_softmax(-1).topk(k, dim=-1)
+    return hidden, top.values, top.indices
+
+
+head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
+
+
+def compile_steps(device: str, prefill_too: bool):
+    """Compile the fixed-shape steps of a cycle; shapes never change, so nothing recompiles."""
+    global decode_one_token, verify, draft_step, head_extend, prefill, head_prefill
+    options = dict(fullgraph=True, dynamic=False)
+    if device.startswith("cuda"):
+        options["mode"] = "reduce-overhead"
+    decode_one_token = torch.compile(decode_one_token, **options)
+    verify = torch.compile(verify, **options)
+    draft_step = torch.compile(draft_step, **options)
+    head_extend = torch.compile(head_extend, **options)
+    if prefill_too:
+        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+        head_prefill = torch.compile(head_prefill, fullgraph=True, dynamic=True)
+
+
+# ---------------------------------------------------------------- session state
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    target_forwards: int = 0  # decode / verify forwards after the prefill
+    head_forwards: int = 0
+    accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target forward, bonus token included."""
+        return (sum(self.accept_lengths) + len(self.accept_lengths)) / max(1, len(self.accept_lengths))
+
+    def acceptance_by_depth(self, max_depth: int) -> list:
+        """Fraction of cycles whose accepted path reached depth d, d = 1..max_depth."""
+        n = max(1, len(self.accept_lengths))
+        return [sum(a >= d for a in self.accept_lengths) / n for d in range(1, max_depth + 1)]
+
+
+class Session:
+    """A target (and optional EAGLE head) with their caches and the tokens they hold.
+
+    tokens[:target_len] are in the target cache, features[i] is the target's feature at position i,
+    and the head cache holds positions 0..head_len-1 (pairs (f_i, t_{i+1})). A new prompt that
+    extends `tokens` (the next chat turn) only prefills what is new.
+    """
+
+    def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
+                 tree: Optional["Tree | DynamicTree"] = None):
+        self.model, self.head, self.tree = model, head, tree
+        self.max_seq_len = max_seq_len
+        scratch = 0 if head is None else tree.num_nodes + tree.max_depth + 1  # room for an unfinished cycle
+        model.setup_caches(1, max_seq_len + scratch)
+        self.device = model.output.weight.device
+        if head is not None:
+            head.setup_caches(max_seq_len + scratch)
+            self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
+                                        dtype=model.output.weight.dtype)
+        self.tokens: list = []
+        self.target_len = 0
+        self.head_len = 0
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int):
+        if prompt_len == 0:
+            raise UsageError("the prompt is empty; give some text with --prompt")
+        if prompt_len + max_new_tokens > self.max_seq_len:
+            raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"--max_seq_len {self.max_seq_len}; raise --max_seq_len or shorten the prompt")
+
+    def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
+                 on_tokens: Optional[Callable] = None):
+        """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).
+        on_tokens(list) is called with each batch of committed tokens (for streaming)."""
+        self.check_fits(len(prompt), max_new_tokens)
+        common = 0
+        for a, b in zip(self.tokens[: self.target_len], prompt):
+            if a != b:
+                break
+            common += 1
+        self.target_len = min(common, len(prompt) - 1)  # at least one token to prefill
+        self.head_len = min(self.head_len, self.target_len)
+        self.tokens = list(prompt)
+        stats = Stats()
+        start = time.perf_counter()
+        token = self._prefill(sampling)
+        stats.prefill_s = time.perf_counter() - start
+        out: list = []
+        run = self._eagle_cycles if self.head is not None else self._vanilla_steps
+        for new in run(token, sampling, stats):
+            new = new[: max_new_tokens - len(out)]
+            stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
+            if stop is not None:
+                new = new[: stop + 1]
+            out += new
+            if on_tokens:
+                on_tokens(new)
+            if stop is not None or len(out) >= max_new_tokens:
+                break
+        stats.total_s = time.perf_counter() - start
+        stats.new_tokens = len(out)
+        self.tokens = list(prompt) + out
+        self.target_len = min(self.target_len, len(self.tokens))
+        self.head_len = min(self.head_len, len(self.tokens) - 1)
+        return out, stats
+
+    def _prefill(self, sampling: Sampling) -> int:
+        new = torch.tensor(self.tokens[self.target_len:], device=self.device)
+        input_pos = torch.arange(self.target_len, len(self.tokens), device=self.device)
+        logits, features = prefill(self.model, new.view(1, -1), input_pos)
+        if self.head is not None:
+            self.features[input_pos] = features[0]
+        self.target_len = len(self.tokens)
+        return int(sample(logits[0, -1], sampling))
+
+    def _vanilla_steps(self, token: int, sampling: Sampling, stats: Stats):
+        while True:
+            yield [token]
+            pos = torch.tensor([self.target_len], device=self.device)
+            logits, _ = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos)
+            stats.target_forwards += 1
+            self.tokens.append(token)
+            self.target_len += 1
+            token = int(sample(logits[0, -1], sampling))
+
+    # ---------------------------------------------------------------- EAGLE
+    def _eagle_cycles(self, token: int, sampling: Sampling, stats: Stats):
+        """Yields the committed tokens of each cycle; the first yield is the prefill's token."""
+        model, head, device = self.model, self.head, self.device
+        tree = self.tree
+        k = tree.max_rank + 1
+        yield [token]
+        # the head catches up on the prompt: pairs (f_i, t_{i+1}) for i = head_len .. len(tokens) - 1
+        self.tokens.append(token)
+        pos = torch.arange(self.head_len, self.target_len, device=device)
+        nxt = torch.tensor(self.tokens[self.head_len + 1:], device=device).view(1, -1)
+        last = torch.tensor([pos.numel() - 1], device=device)
+        root_hidden, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None], pos, last, k)
+        stats.head_forwards += 1
+        self.head_len = self.target_len
+        pad = tree.max_depth + 1  # the per-cycle head update always has this static length
+        while True:
+            base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
+            draft = draft_dynamic_tree if isinstance(tree, DynamicTree) else draft_static_tree
+            node_tokens, parents, depths, tree_mask = draft(model, head, tree, token, root_hidden,
+                                                            top_logp, top_tokens, base)
+            stats.head_forwards += tree.max_depth - 1
+            logits, features = verify(model, node_tokens, base, depths, tree_mask)
+            stats.target_forwards += 1
+            if sampling.greedy:
+                path, bonus = accept_greedy(node_tokens, logits[0], parents, depths, tree_mask)
+            else:
+                path, bonus = accept_sampling(node_tokens, logits[0], parents, sampling)
+            stats.accept_lengths.append(len(path) - 1)
+            new = node_tokens[path[1:]].tolist() + [bonus]
+            yield new
+            # commit: accepted nodes' KV to contiguous slots; head re-reads true features
+            n_acc = len(path)
+            src = torch.tensor(path + list(range(n_acc, pad)), device=device) + base
+            dst = base + torch.arange(pad, device=device)
+            for cache in model.kv_caches():
+                cache.move(src, dst)
+            feats = features[0].index_select(0, src - base)
+            self.features[self.target_len: self.target_len + pad] = feats
+            nxt = torch.tensor(new + [0] * (pad - len(new)), device=device).view(1, -1)
+            root_hidden, top_logp, top_tokens = head_extend(
+                model, head, nxt, feats[None], dst, torch.tensor([n_acc - 1], device=device), k)
+            stats.head_forwards += 1
+            self.tokens += new
+            self.target_len += n_acc
+            self.head_len = self.target_len
+            token = new[-1]
+
+
+def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, top_logp, top_tokens, base):
+    """Fill a fixed tree: a node of rank r is its parent's r-th most likely draft token.
+    One head forward per level, on all nodes of the level at once. Head scratch slot of node j:
+    base + j - 1 (the root's own pair was already fed); rotary position of depth d: base + d - 1."""
+    device = base.device
+    node_tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)
+    node_tokens[0] = root_token
+    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head.max_seq_len)
+    parent_hidden, parent_top = root_hidden, top_tokens
+    for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
+        node_tokens[first:end] = parent_top[0, parent_in_level, tree.ranks[first:end]]
+        if depth == tree.max_depth:
+            break
+        slots = base + torch.arange(first - 1, end - 1, device=device)
+        parent_hidden, _, parent_top = draft_step(
+            target, head, node_tokens[first:end].view(1, -1), parent_hidden[:, parent_in_level], slots,
+            (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], tree.max_rank + 1)
+    return node_tokens, tree.parents, tree.depths, tree.tree_mask
+
+
+def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base):
+    """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best
+    total_tokens nodes. Frontier nodes of depth d use head scratch slots base + (d-1)*top_k + i."""
+    device, K = base.device, tree.top_k
+    # candidate pool, in creation order: token, cumulative log-prob, parent (pool index, -1 = root), depth
+    pool_tokens, pool_scores = [top_tokens[0, 0]], [top_logp[0, 0]]
+    pool_parents = [torch.full((K,), -1, device=device)]
+    pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
+    frontier = torch.arange(K, device=device)  # pool indices of the frontier
+    frontier_hidden = root_hidden.expand(1, K, -1)  # features their head inputs pair with
+    n_slots = (tree.depth - 1) * K
+    frontier_slots = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # scratch ancestors
+    prefix = torch.arange(head.max_seq_len, device=device) < base
+    for depth in range(1, tree.depth):
+        tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+        own = torch.arange((depth - 1) * K, depth * K, device=device)
+        frontier_slots[torch.arange(K, device=device), own] = True
+        mask = prefix[None, :].repeat(K, 1)
+        mask[:, base + torch.arange(n_slots, device=device)] = frontier_slots
+        hidden, child_logp, child_tokens = draft_step(
+            target, head, tokens[frontier].view(1, -1), frontier_hidden, base + own,
+            (base + depth - 1).expand(K), mask, K)
+        child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
+        start = tokens.numel()
+        pool_tokens.append(child_tokens[0].flatten())
+        pool_scores.append(child_scores)
+        pool_parents.append(frontier.repeat_interleave(K))
+        pool_depths.append(torch.full((K * K,), depth + 1, device=device))
+        best = child_scores.topk(K).indices
+        frontier_slots = frontier_slots[best // K]
+        frontier_hidden = hidden[:, best // K]
+        frontier = start + best
+    tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+    pool_parents, depths = torch.cat(pool_parents), torch.cat(pool_depths)
+    # best nodes by score; on equal score the shallower first, so a node's parent is always kept
+    order = torch.sort(depths, stable=True).indices
+    order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+    keep = order[: tree.total_tokens]
+    keep = keep[torch.sort(depths[keep], stable=True).indices]  # parents before children
+    index_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=device)  # pool index -> node
+    index_of[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
+    parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), index_of[pool_parents[keep] + 1]])
+    node_tokens = torch.cat([torch.tensor([root_token], device=device), tokens[keep]])
+    tree_mask, node_depths = ancestor_mask(parents, tree.depth)
+    return node_tokens, parents, node_depths, tree_mask
+
+
+def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: Tensor, tree_mask: Tensor):
+    """The deepest node whose whole root path equals the target's argmax at each step.
+    Returns (accepted node indices, root first; bonus token = target argmax after the last).
+    Siblings hold distinct tokens, so at most one node per depth can be accepted."""
+    choice = logits.argmax(-1)  # [n]: the target's greedy token after each node
+    matches = node_tokens == choice[parents]
+    matches[0] = True
+    accepted = matches
+    for _ in range(int(depths.max())):
+        accepted = matches & accepted[parents]
+    deepest = int(torch.where(accepted, depths, -1).argmax())
+    path = tree_mask[deepest].nonzero().flatten().tolist()  # its ancestors, in depth order
+    return path, int(choice[deepest])
+
+
+def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampling: Sampling):
+    """Lossless multi-round verification (EAGLE paper, Algorithm 1) for deterministic drafts.
+
+    Children are the draft's top-ranked tokens, i.e. drawn from a one-hot proposal q = delta(x_j).
+    Trying siblings in turn: accept x_j with probability p(x_j) / q(x_j) = p(x_j); on rejection the
+    residual norm(max(0, p - q)) is p with x_j zeroed and renormalised. If every child is rejected,
+    the bonus token is sampled from the final residual. By the speculative-sampling argument each
+    round leaves the emitted token distributed exactly as p, so every committed token follows the
+    target distribution p (temperature/top-k/top-p applied as in vanilla sampling).
+    """
+    probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
+    tokens = node_tokens.tolist()
+    children = [[] for _ in tokens]
+    for child, parent in enumerate(parents.tolist()[1:], 1):
+        children[parent].append(child)
+    path, node = [0], 0
+    while True:
+        p = probs[node]
+        for child in children[node]:
+            x = tokens[child]
+            if torch.rand(()) < p[x]:
+                path.append(child)
+                node = child
+                break
+            p = p.clone()
+            p[x] = 0.0
+            p = p / p.sum()
+        else:
+            return path, int(torch.multinomial(p, 1))
+
+
+# ---------------------------------------------------------------- command line
+def load(args):
+    """Target, tokenizer and (with --eagle) head and tree, as the arguments ask."""
+    from scripts.convert_gguf import ensure_default_model
+    from tokenizer import Tokenizer
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
+    checkpoint = args.checkpoint or ensure_default_model()
+    if checkpoint.is_dir():
+        checkpoint = checkpoint / "model.pth"
+    if not checkpoint.is_file():
+        raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
+                              "scripts/convert_hf_checkpoint.py (see README)")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
+    tokenizer = Tokenizer.load(checkpoint.parent)
+    head = tree = None
+    if args.eagle:
+        head_dir = args.eagle_head or (DEFAULT_HEAD if args.checkpoint is None else None)
+        if head_dir is None:
+            raise UsageError("--eagle with a --checkpoint other than the default needs --eagle_head DIR")
+        head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
+        head.check_fits(model.config, model.config.vocab_size)
+        tree = parse_tree(args.tree)
+        if isinstance(tree, Tree):
+            tree.to(args.device)
+    return model, tokenizer, head, tree
+
+
+def print_stats(stats: Stats, tree, label: str = ""):
+    line = (f"{label}{stats.new_tokens} tokens in {stats.total_s:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
+            f"time to first token {stats.prefill_s * 1000:.0f} ms")
+    if tree is not None and stats.accept_lengths:
+        by_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth(tree.max_depth))
+        line += (f"\n  tau {stats.tau:.2f} tokens/forward, acceptance by depth [{by_depth}], "
+                 f"{stats.target_forwards} target + {stats.head_forwards} head forwards")
+    print(line, file=sys.stderr)
+
+
+def chat(session: Session, tokenizer, args, sampling: Sampling):
+    from tokenizer import StreamDecoder
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        prompt = tokenizer.encode_chat(messages)
+        decoder = StreamDecoder(tokenizer)
+
+        def stream(ids):
+            text = decoder.push([t for t in ids if t not in tokenizer.stop_ids])
+            print(text, end="", flush=True)
+
+        budget = min(args.max_new_tokens, args.max_seq_len - len(prompt))
+        if budget <= 0:
+            raise UsageError(f"the conversation ({len(prompt)} tokens) fills --max_seq_len {args.max_seq_len}; "
+                             "restart with a larger --max_seq_len")
+        out, stats = session.generate(prompt, budget, sampling, tokenizer.stop_ids, on_tokens=stream)
+        print()
+        print_stats(stats, session.tree)
+        messages.append({"role": "assistant", "content": tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])})
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Vanilla and EAGLE speculative generation (LLaMA family).")
+    p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default="Hello, my name is", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    p.add_argument("--chat_template", action="store_true", help="wrap --prompt in the model's chat template")
+    p.add_argument("--system", help="system prompt for --chat / --chat_template")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_k", type=int)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max_seq_len", type=int, default=2048)
+    p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
+    p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
+    p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
+    p.add_argument("--tree", default="paper", help="paper | chain-N | dynamic-TOPK-DEPTH-NODES | list of paths")
+    args = p.parse_args(argv)
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top_k must be >= 1, got {args.top_k}")
+    if args.max_new_tokens < 1 or args.num_samples < 1:
+        raise UsageError("--max_new_tokens and --num_samples must be >= 1")
+    if not args.chat and not args.prompt.strip():
+        raise UsageError("the prompt is empty; give some text with --prompt")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, tokenizer, head, tree = load(args)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    session = Session(model, args.max_seq_len, head, tree)
+    if args.compile or args.compile_prefill:
+        compile_steps(args.device, args.compile_prefill)
+    if args.chat:
+        return chat(session, tokenizer, args, sampling)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": args.prompt}]
+    prompt = tokenizer.encode_chat(messages) if args.chat_template else tokenizer.encode(args.prompt, bos=True)
+    for i in range(args.num_samples):
+        session.tokens = []  # each sample starts from a fresh prefill, so timings compare
+        out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids)
+        print(args.prompt + tokenizer.decode([t for t in out if t not in tokenizer.stop_ids]))
+        print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (UsageError, CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
