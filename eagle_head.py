@@ -47,10 +47,16 @@ class EagleHead(nn.Module):
         if self.max_seq_len == max_seq_len:
             return
         dtype = dtype or self.fc.weight.dtype
+        c = self.config
+        self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(self.fc.weight.device)
+        self.setup_rope(max_seq_len, dtype)
+
+    def setup_rope(self, max_seq_len: int, dtype=None):
+        """Rotary tables only: training runs whole sequences with no KV cache."""
+        dtype = dtype or self.fc.weight.dtype
         device = self.fc.weight.device
         c = self.config
         self.max_seq_len = max_seq_len
-        self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(device)
         cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)

@@ -225,7 +225,8 @@ class Attention(nn.Module):
         k = apply_rope(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), cos, sin)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
-        k, v = self.kv_cache.update(input_pos, k, v)
+        if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
+            k, v = self.kv_cache.update(input_pos, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
 

