@@ -44,7 +44,7 @@ class EagleHead(nn.Module):
         return cls(config, fc_bias)
 
     def setup_caches(self, max_seq_len: int, dtype=None):
-        if self.max_seq_len == max_seq_len:
+        if self.max_seq_len == max_seq_len and self.attention.kv_cache is not None:
             return
         dtype = dtype or self.fc.weight.dtype
         c = self.config

