@@ -317,16 +317,19 @@ def cmd_train(args):
     checkpoint = args.checkpoint or ensure_default_model()
     target = Transformer.from_checkpoint(checkpoint, device=device).requires_grad_(False)
     data = Path(args.data)
-    train = [r for prefix in args.train_sets for r in load_records(data, f"train-{prefix}")]
     evals = {name: load_records(data, f"eval-{name}")[: args.eval_records] for name in args.eval_sets}
-    train = [r for r in train if r["loss_mask"][1:].any()]
+
+    def load_train():  # shards a still-running `data` step adds join at the next epoch
+        records = [r for prefix in args.train_sets for r in load_records(data, f"train-{prefix}")]
+        return [r for r in records if r["loss_mask"][1:].any()]
+
+    train = load_train()
     if not train:
         sys.exit(f"error: no training shards under {data}; run the `data` step first")
     head = EagleHead.for_target(target.config, fc_bias=True).to(device)
-    head.setup_rope(max(len(r["tokens"]) for r in train + [x for v in evals.values() for x in v]))
+    head.setup_rope(max(len(r["tokens"]) for r in train))
     module = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    tokens_per_epoch = sum(int(r["loss_mask"][1:].sum()) for r in train)
     steps_per_epoch = math.ceil(len(train) / (args.batch_size * world))
     total_steps = args.max_steps or steps_per_epoch * args.epochs
 
@@ -339,7 +342,7 @@ def cmd_train(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
-    state = {"step": 0, "tokens_seen": 0, "wall_s": 0.0, "curve": []}
+    state = {"step": 0, "epoch": 0, "offset": 0, "tokens_seen": 0, "wall_s": 0.0, "curve": []}
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
         head.load_state_dict(ckpt["head"])
@@ -369,13 +372,15 @@ def cmd_train(args):
     bar = tqdm(total=total_steps, initial=state["step"], disable=rank != 0, desc="train")
     head.train()
     while state["step"] < total_steps:
-        epoch, offset = divmod(state["step"], steps_per_epoch)
+        if state["offset"] == 0:
+            train = load_train()
+            head.setup_rope(max(len(r["tokens"]) for r in train))
         order = list(range(len(train)))
-        random.Random(args.seed + epoch).shuffle(order)
+        random.Random(args.seed + state["epoch"]).shuffle(order)
         # batches of similar length (less padding), in a shuffled order
         batches = [order[i: i + args.batch_size * world] for i in range(0, len(order), args.batch_size * world)]
         batches = [sorted(b, key=lambda i: len(train[i]["tokens"])) for b in batches]
-        for batch in batches[offset:]:
+        for batch in batches[state["offset"]:]:
             if state["step"] >= total_steps:
                 break
             t0 = time.perf_counter()
@@ -389,18 +394,22 @@ def cmd_train(args):
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
             optimizer.step()
             state["step"] += 1
+            state["offset"] += 1
             state["tokens_seen"] += sum(int(train[i]["loss_mask"][1:].sum()) for i in batch)
             state["wall_s"] += time.perf_counter() - t0
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1.mean().item():.3f}",
-                            epoch=f"{state['tokens_seen'] / tokens_per_epoch:.2f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1.mean().item():.3f}", epoch=state["epoch"])
             if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
                 run_eval()
             if state["step"] % args.save_every == 0 or state["step"] == total_steps:
                 save()
+        else:
+            state["epoch"] += 1
+            state["offset"] = 0
     bar.close()
     if rank == 0 and args.save_head:
         head.save(args.save_head)
+        tokens_per_epoch = sum(int(r["loss_mask"][1:].sum()) for r in train)
         record = {"command": "python " + " ".join(sys.argv), "tokens_seen": state["tokens_seen"],
                   "epochs": state["tokens_seen"] / tokens_per_epoch, "train_sequences": len(train),
                   "train_tokens_per_epoch": tokens_per_epoch, "wall_s": round(state["wall_s"], 1),
