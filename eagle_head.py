@@ -6,6 +6,11 @@ One LLaMA decoder layer without input RMSNorm and without final norm turns x_i i
 of f_{i+1}; the target's LM head maps it to the draft distribution of t_{i+2}.
 The target's embedding and LM head are reused (frozen); only `fc` and the layer are trained.
 
+Draft vocabulary (optional, as EAGLE-3 does): a head may draft from only the most frequent tokens
+(`draft_vocab.json`, a list of token ids). The draft then multiplies by those rows of the LM head
+only, which on a CPU makes a draft step several times cheaper (the 49152-row LM head is most of
+it). Verification still uses the full target, so this changes speed and acceptance, never output.
+
 Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang and vLLM also read:
 config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys
 fc.weight, fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight,
@@ -20,6 +25,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, causal_mask,
@@ -36,6 +42,8 @@ class EagleHead(nn.Module):
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
         self.max_seq_len = 0
+        self.draft_vocab: Optional[Tensor] = None  # token ids the draft may propose (None: all)
+        self.lm_weight: Optional[Tensor] = None  # the target's LM head rows for draft_vocab (bind)
 
     @classmethod
     def for_target(cls, target_config: ModelArgs, fc_bias: bool = True) -> "EagleHead":
@@ -73,6 +81,22 @@ class EagleHead(nn.Module):
         h = x + self.attention(x, input_pos, self.rope_cos[rope_pos], self.rope_sin[rope_pos], mask)
         return h + self.feed_forward(self.post_attention_norm(h))
 
+    def bind(self, target_lm_weight: Tensor):
+        """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
+        weight = target_lm_weight.dequantize() if hasattr(target_lm_weight, "dequantize") else target_lm_weight
+        if self.draft_vocab is None:
+            self.lm_weight = weight.detach()
+        else:
+            self.draft_vocab = self.draft_vocab.to(weight.device)
+            self.lm_weight = weight.detach()[self.draft_vocab].contiguous()
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft vocabulary; `token_ids` maps their indices to token ids."""
+        return F.linear(hidden, self.lm_weight)
+
+    def token_ids(self, index: Tensor) -> Tensor:
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
     def check_fits(self, target_config: ModelArgs, vocab_size: int):
         if self.config.dim != target_config.dim:
             raise CheckpointError(f"EAGLE head hidden size {self.config.dim} does not fit the target's "
@@ -97,6 +121,8 @@ class EagleHead(nn.Module):
         state = {k: v.float().contiguous() for k, v in self.official_state_dict().items()}
         if target_embedding is not None:
             state["embed_tokens.weight"] = target_embedding.float().contiguous()
+        if self.draft_vocab is not None:
+            (out_dir / "draft_vocab.json").write_text(json.dumps(self.draft_vocab.tolist()))
         if safetensors:
             from safetensors.torch import save_file
             save_file(state, out_dir / "model.safetensors")
@@ -156,6 +182,10 @@ class EagleHead(nn.Module):
         if fc_bias:
             ours["fc.bias"] = state["fc.bias"]
         head = cls(config, fc_bias)
+        if (head_dir / "draft_vocab.json").is_file():
+            head.draft_vocab = torch.tensor(json.loads((head_dir / "draft_vocab.json").read_text()))
+            if head.draft_vocab.numel() == 0 or int(head.draft_vocab.max()) >= config.vocab_size:
+                raise CheckpointError(f"{head_dir / 'draft_vocab.json'} holds token ids outside the vocabulary")
         try:
             head.load_state_dict(ours, strict=True)
         except RuntimeError as e:

@@ -99,9 +99,8 @@ def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_feat
     """Head forward on draft nodes (tokens [1, m] paired with their parents' features [1, m, dim]).
     Returns the predicted features [1, m, dim] and the top-k draft log-probs and tokens [1, m, k]."""
     hidden = head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos)
-    logp = target.output(hidden).float().log_softmax(-1)
-    top = logp.topk(k, dim=-1)
-    return hidden, top.values, top.indices
+    top = head.draft_logits(hidden).float().log_softmax(-1).topk(k, dim=-1)
+    return hidden, top.values, head.token_ids(top.indices)
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
@@ -111,8 +110,8 @@ def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, featu
     mask = causal_mask(input_pos, head.max_seq_len)
     hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
     hidden = hidden.index_select(1, last)
-    top = target.output(hidden).float().log_softmax(-1).topk(k, dim=-1)
-    return hidden, top.values, top.indices
+    top = head.draft_logits(hidden).float().log_softmax(-1).topk(k, dim=-1)
+    return hidden, top.values, head.token_ids(top.indices)
 
 
 head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
@@ -175,6 +174,7 @@ class Session:
         self.device = model.output.weight.device
         if head is not None:
             head.setup_caches(max_seq_len + scratch)
+            head.bind(model.output.weight)
             self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
                                         dtype=model.output.weight.dtype)
         self.tokens: list = []

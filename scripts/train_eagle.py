@@ -222,18 +222,42 @@ def pad_batch(rows):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def eagle_loss(target: Transformer, pred, true_next, mask):
-    """SmoothL1 on features + 0.1 * soft cross-entropy against the target's distribution;
-    also returns top-1 agreement (draft argmax == target argmax) on the masked positions."""
+def eagle_loss(head: EagleHead, pred, true_next, mask):
+    """SmoothL1 on features + 0.1 * soft cross-entropy against the target's distribution (over the
+    head's draft vocabulary, which is all the draft can propose); also returns top-1 agreement
+    within that vocabulary on the masked positions."""
     pred, true_next = pred[mask], true_next[mask]
     reg = F.smooth_l1_loss(pred, true_next)
     with torch.no_grad():
-        target_logits = target.output(true_next)
+        target_logits = head.draft_logits(true_next)
         target_p = target_logits.float().softmax(-1)
-    draft_logp = target.output(pred).float().log_softmax(-1)
+    draft_logp = head.draft_logits(pred).float().log_softmax(-1)
     ce = -(target_p * draft_logp).sum(-1).mean()
     top1 = (draft_logp.argmax(-1) == target_logits.argmax(-1)).float()
     return reg + 0.1 * ce, reg, ce, top1
+
+
+def draft_vocabulary(records, data_dir: Path, size: int, tokenizer: Tokenizer):
+    """The `size` most frequent answer tokens: the target's own answers in the training shards,
+    then ChatGPT's ShareGPT answers (counted once and cached) for the tail. None = all tokens."""
+    if not size:
+        return None
+    counts = torch.zeros(tokenizer.vocab_size, dtype=torch.long)
+    cache = data_dir / "sharegpt_token_counts.pt"
+    if not cache.exists():
+        sharegpt = torch.zeros_like(counts)
+        for i, conv in enumerate(sharegpt_conversations(3000)):
+            if i >= HELD_OUT:
+                for m in conv:
+                    if m["role"] == "assistant":
+                        sharegpt += torch.bincount(torch.tensor(tokenizer.encode(m["content"]), dtype=torch.long),
+                                                   minlength=counts.numel())[: counts.numel()]
+        torch.save(sharegpt, cache)
+    for r in records:
+        counts += torch.bincount(r["tokens"][r["loss_mask"]], minlength=counts.numel())[: counts.numel()]
+    # own answers first: scale so that any token the target produced outranks ShareGPT-only tokens
+    score = counts.double() * 1e9 + torch.load(cache).double()
+    return score.topk(size).indices.sort().values
 
 
 def forward_batch(target, head, records, device, noise=0.0):
@@ -242,7 +266,7 @@ def forward_batch(target, head, records, device, noise=0.0):
     T = embeds.shape[1]
     pos = torch.arange(T, device=device)
     pred = head(embeds, feats, pos, mask=causal_mask(pos, T), rope_pos=pos)
-    return eagle_loss(target, pred, true_next, mask.bool())
+    return eagle_loss(head.module if hasattr(head, "module") else head, pred, true_next, mask.bool())
 
 
 @torch.no_grad()
@@ -256,14 +280,15 @@ def chained_accuracy(target: Transformer, head: EagleHead, record, steps: int, d
     head.setup_caches(L * (steps + 1))
     slots = torch.arange(L, device=device)
     total = torch.arange(L * (steps + 1), device=device)
-    target_arg = target.output(true_next).argmax(-1)  # [L]: the target's next token after i + 1
+    target_arg = target.output(true_next).argmax(-1)  # [L]: the target's next token after i + 1 (full vocab)
     pred = head(embeds[None], feats[None], slots, mask=causal_mask(slots, head.max_seq_len))[0]
     accuracies = []
     for s in range(steps + 1):
         # chain from start j: prediction for position j + s is pred[j]; compare with the target there
         valid = (slots + s < L)
         idx = (slots + s).clamp(max=L - 1)
-        hit = (target.output(pred).argmax(-1) == target_arg[idx]) & valid & mask[idx]
+        draft_arg = head.token_ids(head.draft_logits(pred).argmax(-1))
+        hit = (draft_arg == target_arg[idx]) & valid & mask[idx]
         accuracies.append((hit.sum() / (valid & mask[idx]).sum().clamp(min=1)).item())
         if s == steps:
             break
@@ -327,6 +352,8 @@ def cmd_train(args):
     if not train:
         sys.exit(f"error: no training shards under {data}; run the `data` step first")
     head = EagleHead.for_target(target.config, fc_bias=True).to(device)
+    head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, Tokenizer.load(checkpoint.parent))
+    head.bind(target.output.weight)
     head.setup_rope(max(len(r["tokens"]) for r in train))
     module = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -346,6 +373,8 @@ def cmd_train(args):
     if ckpt_path.exists():
         ckpt = torch.load(ckpt_path, weights_only=False, map_location=device)
         head.load_state_dict(ckpt["head"])
+        head.draft_vocab = ckpt["draft_vocab"]  # fixed for the whole run
+        head.bind(target.output.weight)
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
         torch.set_rng_state(ckpt["rng"])
@@ -354,7 +383,8 @@ def cmd_train(args):
     def save():
         if rank == 0:
             tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+            torch.save({"head": head.state_dict(), "draft_vocab": head.draft_vocab,
+                        "optimizer": optimizer.state_dict(), "state": state,
                         "rng": torch.get_rng_state(), "args": vars(args)}, tmp)
             tmp.rename(ckpt_path)
             (out / "curve.json").write_text(json.dumps(state["curve"], indent=1))
@@ -450,6 +480,7 @@ def main():
     t.add_argument("--max_steps", type=int)
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
     t.add_argument("--grad_clip", type=float, default=0.5)
     t.add_argument("--bf16", action="store_true", help="bf16 autocast")
     t.add_argument("--eval_every", type=int, default=200)
