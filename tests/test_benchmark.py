@@ -1,0 +1,200 @@
+"""scripts/benchmark.py: --quick end to end (files, every metric present and finite), its numbers against
+counts made from the per-run cycle logs, and the eager/compiled step swapping (with a stand-in compiler)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import generate
+from scripts import benchmark
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+QUICK_TREES = {"chain-5": (6, 5), "paper": (26, 5), "dynamic-4-3-8": (9, 3)}  # tree -> (nodes, depth)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark") / "quick"
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--quick", "--threads", "1", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads(out.with_suffix(".json").read_text())
+
+
+def is_finite(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_quick_writes_every_file_and_metric(quick):
+    out, result = quick
+    for path in [out.with_suffix(".md"), out.parent / "latest.md"] + \
+            [out.parent / f"{out.name}-{n}.png" for n in ("speedup", "speedup-dist", "tau")]:
+        assert path.is_file() and path.stat().st_size > 0, path
+    assert (out.parent / "latest.md").read_text() == out.with_suffix(".md").read_text()
+    meta = result["metadata"]
+    for key in ("machine", "threads", "command", "git", "max_new_tokens", "cache_len", "reference_method", "methods"):
+        assert key in meta
+    assert meta["threads"] == 1 and meta["max_new_tokens"] == 16 and meta["reference_method"] == "vanilla-fp32-eager"
+    methods = {m["name"]: m for m in meta["methods"]}
+    expected = {f"vanilla-{d}-eager" for d in ("fp32", "bf16")} | \
+        {f"eagle-{t}-{d}-eager" for t in QUICK_TREES for d in ("fp32", "bf16")}
+    assert set(methods) == expected
+    assert len(result["runs"]) == len(methods) * 2 * 2 * 2  # methods x 2 questions x 2 turns x 2 temperatures
+    assert [(g["dataset"], g["temperature"]) for g in result["summary"]] == [("mtbench", 0.0), ("mtbench", 1.0)]
+    for g in result["summary"]:
+        assert g["baseline"] in methods and methods[g["baseline"]]["kind"] == "vanilla"
+        assert set(g["methods"]) == set(methods)
+        assert set(g["categories"]) == {r["category"] for r in result["runs"]}
+        for name, s in g["methods"].items():
+            m = methods[name]
+            numbers = [s["wall_s"], s["peak_rss_mb"], s["peak_rss_increase_mb"], s["tau"], s["target_forwards"],
+                       s["head_forwards"], *s["tokens_per_s"].values(), *s["speedup"].values()]
+            assert all(is_finite(x) for x in numbers), (name, s)
+            assert s["runs"] == 4 and s["new_tokens"] == 4 * 16
+            if m["kind"] == "eagle":
+                assert (m["num_nodes"], m["max_depth"]) == QUICK_TREES[m["tree"]]
+                assert len(s["acceptance_by_depth"]) == m["max_depth"]
+                assert all(is_finite(a) for a in s["acceptance_by_depth"] + [s["mean_accept_length"]])
+                assert s["tau"] > 1  # the quick head is built to be often right
+            if m["tree"] == "chain-5":  # alpha_n is undefined only when no cycle accepted n tokens
+                accept = [a for r in result["runs"] if r["method"] == name and r["temperature"] == g["temperature"]
+                          for a in r["accept_lengths"]]
+                assert len(s["n_alpha"]) == 5
+                for n, alpha in enumerate(s["n_alpha"]):
+                    assert (is_finite(alpha) and 0 <= alpha <= 1) if any(a >= n for a in accept) else alpha is None
+                if g["temperature"] == 0:
+                    assert all(is_finite(a) for a in s["n_alpha"])
+            if g["temperature"] == 0 and name != "vanilla-fp32-eager" and name != "vanilla-bf16-eager":
+                assert s["outputs_match_vanilla"]["compared"] == 4
+                assert s["outputs_match_vanilla"]["reference"] == f"vanilla-{m['dtype']}-eager"
+    for r in result["runs"]:
+        assert all(is_finite(r[k]) for k in ("time_s", "prefill_s", "tokens_per_s", "speedup", "peak_rss_mb"))
+
+
+def test_greedy_eagle_reproduces_vanilla_fp32(quick):
+    _, result = quick
+    greedy = next(g for g in result["summary"] if g["temperature"] == 0)
+    for name, s in greedy["methods"].items():
+        if name.startswith("eagle") and "-fp32-" in name:
+            assert s["outputs_match_vanilla"]["matched"] == s["outputs_match_vanilla"]["compared"], name
+    for r in result["runs"]:
+        if r["match_vanilla"]:
+            assert r["match_prefix"] == r["new_tokens"]
+
+
+def test_tau_and_acceptance_agree_with_cycle_logs(quick):
+    _, result = quick
+    methods = {m["name"]: m for m in result["metadata"]["methods"]}
+    for r in result["runs"]:
+        m = methods[r["method"]]
+        if m["kind"] == "vanilla":  # one token per decode forward, after the prefill's
+            assert r["committed"] == r["target_forwards"] == r["new_tokens"] - 1 and r["tau"] == 1.0
+            continue
+        accept = r["accept_lengths"]
+        assert len(accept) == r["target_forwards"]  # one verify per cycle
+        assert all(0 <= a <= m["max_depth"] for a in accept)
+        assert r["committed"] == sum(a + 1 for a in accept)
+        assert r["tau"] == pytest.approx(r["committed"] / r["target_forwards"])
+        # the committed tokens after the prefill's cover the output; only the last cycle may overshoot
+        assert r["committed"] - (accept[-1] + 1) < r["new_tokens"] - 1 <= r["committed"]
+        # head forwards: the prompt catch-up, per cycle one per drafted level (max_depth - 1) and the commit
+        # update, except after the last cycle, whose tokens end the generation
+        assert r["head_forwards"] == 1 + len(accept) * (m["max_depth"] - 1) + len(accept) - 1
+    for g in result["summary"]:
+        for name, s in g["methods"].items():
+            runs = [r for r in result["runs"] if r["method"] == name and r["temperature"] == g["temperature"]
+                    and r["dataset"] == g["dataset"]]
+            assert s["target_forwards"] == sum(r["target_forwards"] for r in runs)
+            assert s["tau"] == pytest.approx(sum(r["committed"] for r in runs) / s["target_forwards"])
+            if methods[name]["kind"] != "eagle":
+                continue
+            accept = [a for r in runs for a in r["accept_lengths"]]
+            assert s["mean_accept_length"] == pytest.approx(np.mean(accept))
+            assert sum(s["acceptance_by_depth"]) == pytest.approx(s["mean_accept_length"])  # E[a] = sum P(a >= d)
+            assert s["tau"] == pytest.approx(1 + s["mean_accept_length"])
+            if s["n_alpha"]:
+                # alpha_n = #(a >= n+1) / #(a >= n); their running product is the acceptance at depth n+1
+                for n, alpha in enumerate(s["n_alpha"]):
+                    reached = sum(a >= n for a in accept)
+                    assert alpha == (pytest.approx(sum(a >= n + 1 for a in accept) / reached) if reached else None)
+                    if alpha is not None:
+                        assert np.prod(s["n_alpha"][: n + 1]) == pytest.approx(s["acceptance_by_depth"][n])
+
+
+def test_speedups_are_per_prompt_ratios_over_the_fastest_vanilla(quick):
+    _, result = quick
+    for g in result["summary"]:
+        runs = [r for r in result["runs"] if r["temperature"] == g["temperature"] and r["dataset"] == g["dataset"]]
+        medians = {name: np.median([r["tokens_per_s"] for r in runs if r["method"] == name]) for name in g["methods"]}
+        assert g["baseline"] == max((n for n in medians if n.startswith("vanilla")), key=medians.get)
+        base = {(r["question_id"], r["turn"]): r["tokens_per_s"] for r in runs if r["method"] == g["baseline"]}
+        for r in runs:
+            assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["time_s"])
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base[r["question_id"], r["turn"]])
+        for name, s in g["methods"].items():
+            speedups = [r["speedup"] for r in runs if r["method"] == name]
+            assert s["speedup"]["median"] == pytest.approx(np.median(speedups))
+            assert s["speedup"]["min"] == pytest.approx(min(speedups))
+        assert g["methods"][g["baseline"]]["speedup"]["median"] == pytest.approx(1.0)
+
+
+def test_n_alpha_and_acceptance_helpers():
+    accept = [0, 1, 2, 5]
+    assert benchmark.n_alpha(accept, 4) == [3 / 4, 2 / 3, 1 / 2, 1.0, 1.0]
+    assert benchmark.n_alpha([0, 0], 2) == [0.0, None, None]  # undefined, never a division by zero
+    s = benchmark.acceptance_summary(accept, 5)
+    assert s["tau"] == 3.0 and s["acceptance_by_depth"] == [3 / 4, 2 / 4, 1 / 4, 1 / 4, 1 / 4]
+
+
+def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkeypatch):
+    """A stand-in for torch.compile: compiled methods must call the compiled steps, eager ones never, and
+    generate's module functions are the eager ones again afterwards. Also --questions with categories."""
+    calls = []
+
+    def fake_compile_steps(device, prefill_too):
+        for name in ("decode_one_token", "verify", "draft_step", "head_extend"):
+            eager = getattr(generate, name)
+
+            def compiled(*args, _eager=eager, _name=name, **kwargs):
+                calls.append(_name)
+                return _eager(*args, **kwargs)
+            setattr(generate, name, compiled)
+
+    ran = []
+    original_run = benchmark.OurRunner.run
+
+    def run(self, *args, **kwargs):
+        before = len(calls)
+        result = original_run(self, *args, **kwargs)
+        ran.append((self.method.name, len(calls) - before))
+        return result
+
+    monkeypatch.setattr(generate, "compile_steps", fake_compile_steps)
+    monkeypatch.setattr(benchmark.OurRunner, "run", run)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]},
+        {"question_id": 2, "category": "poetry", "turns": ["A haiku about owls."]}]))
+    threads = torch.get_num_threads()
+    try:
+        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "compiled",
+                                 "--dtypes", "fp32", "--trees", "chain-3", "--temperatures", "0",
+                                 "--max_new_tokens", "6", "--threads", "1", "--out", str(tmp_path / "c")])
+    finally:
+        torch.set_num_threads(threads)
+    for name in benchmark.STEP_NAMES:
+        assert getattr(generate, name) is benchmark.EAGER_STEPS[name]
+    assert {name for name, _ in ran} == {"vanilla-fp32-eager", "vanilla-fp32-compiled",
+                                         "eagle-chain-3-fp32-eager", "eagle-chain-3-fp32-compiled"}
+    for name, n_calls in ran:
+        assert (n_calls > 0) == name.endswith("compiled"), (name, n_calls)
+    group = result["summary"][0]
+    assert group["dataset"] == "q" and set(group["categories"]) == {"math", "poetry"}
+    assert len(result["runs"]) == 4 * 3  # 4 methods x (2 + 1 turns)
+    assert all(s["outputs_match_vanilla"]["matched"] == 3
+               for name, s in group["methods"].items() if name != "vanilla-fp32-eager")
