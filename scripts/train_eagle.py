@@ -450,6 +450,43 @@ def cmd_train(args):
         torch.distributed.destroy_process_group()
 
 
+@torch.no_grad()
+def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, steps: int = 3) -> dict:
+    """Evaluate a head on held-out sequences ({"tokens", "loss_mask"} lists), with features
+    recomputed by one plain fp32 forward of the target per sequence (as at inference)."""
+    records = []
+    for seq in sequences:
+        tokens = torch.tensor(seq["tokens"])
+        target.setup_caches(1, len(tokens))
+        _, features = target(tokens[None], torch.arange(len(tokens)), logits_at=slice(-1, None))
+        records.append({"tokens": tokens, "loss_mask": torch.tensor(seq["loss_mask"]), "features": features[0]})
+    return evaluate(target, head, records, "cpu", steps)
+
+
+def cmd_eval(args):
+    """Held-out accuracy of a saved head; ships the sequences and the numbers beside the head."""
+    from scripts.convert_gguf import ensure_default_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = args.checkpoint or ensure_default_model()
+    target = Transformer.from_checkpoint(checkpoint)
+    head = EagleHead.load(args.head)
+    head.bind(target.output.weight)
+    head_dir = Path(args.head)
+    results = {}
+    for name in args.sets:
+        records = load_records(Path(args.data), f"eval-{name}")[: args.records]
+        sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records]
+        (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
+        results[name] = heldout_accuracy(target, head, sequences)
+        print(name, json.dumps(results[name]), file=sys.stderr)
+    record_path = head_dir / "training_record.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record["heldout_eval"] = {"sequences": args.records, "features": "fp32 target forward", **results}
+    record_path.write_text(json.dumps(record, indent=1, default=str))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -487,8 +524,15 @@ def main():
     t.add_argument("--save_every", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int)
+    e = sub.add_parser("eval", help="held-out accuracy of a saved head (recorded beside it)")
+    e.add_argument("--checkpoint", type=Path)
+    e.add_argument("--head", required=True)
+    e.add_argument("--data", default="data/eagle")
+    e.add_argument("--sets", nargs="+", default=["generated", "sharegpt"])
+    e.add_argument("--records", type=int, default=20)
+    e.add_argument("--threads", type=int)
     args = p.parse_args()
-    cmd_data(args) if args.command == "data" else cmd_train(args)
+    {"data": cmd_data, "train": cmd_train, "eval": cmd_eval}[args.command](args)
 
 
 if __name__ == "__main__":
