@@ -416,6 +416,7 @@ def load(args):
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
+    tree = parse_tree(args.tree) if args.eagle else None  # a bad spec fails before any loading
     checkpoint = args.checkpoint or ensure_default_model()
     if checkpoint.is_dir():
         checkpoint = checkpoint / "model.pth"
@@ -425,14 +426,13 @@ def load(args):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     tokenizer = Tokenizer.load(checkpoint.parent)
-    head = tree = None
+    head = None
     if args.eagle:
         head_dir = args.eagle_head or (DEFAULT_HEAD if args.checkpoint is None else None)
         if head_dir is None:
             raise UsageError("--eagle with a --checkpoint other than the default needs --eagle_head DIR")
         head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
-        tree = parse_tree(args.tree)
         if isinstance(tree, Tree):
             tree.to(args.device)
     return model, tokenizer, head, tree

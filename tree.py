@@ -52,7 +52,10 @@ def parse_paths(spec: str) -> list:
     if spec == "paper":
         return PAPER_TREE
     if spec.startswith("chain-"):
-        return chain(int(spec.split("-", 1)[1]))
+        length = spec.split("-", 1)[1]
+        if not length.isdigit() or int(length) < 1:
+            raise ValueError(f"bad --tree {spec!r}: a chain needs a length >= 1, e.g. chain-4")
+        return chain(int(length))
     try:
         paths = ast.literal_eval(spec)
     except (ValueError, SyntaxError):
