@@ -1,9 +1,11 @@
+import os
+
 import pytest
 import torch
 
 from scripts.convert_gguf import ensure_default_model
 
-torch.set_num_threads(2)
+torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # never more threads than cores we may use
 
 
 @pytest.fixture(scope="session")
