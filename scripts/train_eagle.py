@@ -237,14 +237,15 @@ def eagle_loss(head: EagleHead, pred, true_next, mask):
     return reg + 0.1 * ce, reg, ce, top1
 
 
-def draft_vocabulary(records, data_dir: Path, size: int, tokenizer: Tokenizer):
+def draft_vocabulary(records, data_dir: Path, size: int, vocab_size: int, tokenizer_dir: Path):
     """The `size` most frequent answer tokens: the target's own answers in the training shards,
     then ChatGPT's ShareGPT answers (counted once and cached) for the tail. None = all tokens."""
     if not size:
         return None
-    counts = torch.zeros(tokenizer.vocab_size, dtype=torch.long)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
     cache = data_dir / "sharegpt_token_counts.pt"
     if not cache.exists():
+        tokenizer = Tokenizer.load(tokenizer_dir)
         sharegpt = torch.zeros_like(counts)
         for i, conv in enumerate(sharegpt_conversations(3000)):
             if i >= HELD_OUT:
@@ -352,7 +353,7 @@ def cmd_train(args):
     if not train:
         sys.exit(f"error: no training shards under {data}; run the `data` step first")
     head = EagleHead.for_target(target.config, fc_bias=True).to(device)
-    head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, Tokenizer.load(checkpoint.parent))
+    head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, target.config.vocab_size, checkpoint.parent)
     head.bind(target.output.weight)
     head.setup_rope(max(len(r["tokens"]) for r in train))
     module = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
@@ -411,7 +412,7 @@ def cmd_train(args):
         batches = [order[i: i + args.batch_size * world] for i in range(0, len(order), args.batch_size * world)]
         batches = [sorted(b, key=lambda i: len(train[i]["tokens"])) for b in batches]
         for batch in batches[state["offset"]:]:
-            if state["step"] >= total_steps:
+            if state["step"] >= total_steps or state["step"] == args.stop_after:
                 break
             t0 = time.perf_counter()
             mine = batch[rank::world]
@@ -436,8 +437,11 @@ def cmd_train(args):
         else:
             state["epoch"] += 1
             state["offset"] = 0
+            continue
+        break  # --stop_after: the checkpoint holds everything needed to resume
+    save()
     bar.close()
-    if rank == 0 and args.save_head:
+    if rank == 0 and args.save_head and state["step"] >= total_steps:
         head.save(args.save_head)
         tokens_per_epoch = sum(int(r["loss_mask"][1:].sum()) for r in train)
         record = {"command": "python " + " ".join(sys.argv), "tokens_seen": state["tokens_seen"],
@@ -515,6 +519,7 @@ def main():
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--max_steps", type=int)
+    t.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")

@@ -1,0 +1,206 @@
+"""The EAGLE head: official checkpoint layout, fit checks, shifted alignment, training and resume,
+and the shipped head's held-out accuracy against its training record."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+from eagle_head import EagleHead
+from model import CheckpointError, ModelArgs, Transformer, causal_mask
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=96,
+                 rope_base=10000.0, tie_embeddings=True)
+
+
+def head_output(head, seed=0, T=7):
+    g = torch.Generator().manual_seed(seed)
+    embeds, feats = torch.randn(1, T, head.config.dim, generator=g), torch.randn(1, T, head.config.dim, generator=g)
+    head.setup_caches(16)
+    return head(embeds, feats, torch.arange(T))
+
+
+@pytest.mark.parametrize("fc_bias", [True, False])
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_official_layout_round_trip(tmp_path, fc_bias, safetensors):
+    torch.manual_seed(0)
+    head = EagleHead.for_target(TINY, fc_bias=fc_bias).eval()
+    head.save(tmp_path, target_embedding=torch.randn(TINY.vocab_size, TINY.dim), safetensors=safetensors)
+    keys = set((torch.load(tmp_path / "pytorch_model.bin") if not safetensors else
+                __import__("safetensors.torch").torch.load_file(tmp_path / "model.safetensors")).keys())
+    expected = {"fc.weight", "embed_tokens.weight", "layers.0.post_attention_layernorm.weight"} | {
+        f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert keys == expected | ({"fc.bias"} if fc_bias else set())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["bias"] is fc_bias and config["num_hidden_layers"] == 1
+    loaded = EagleHead.load(tmp_path)
+    assert loaded.fc_bias is fc_bias
+    with torch.no_grad():
+        torch.testing.assert_close(head_output(loaded), head_output(head), rtol=0, atol=0)
+
+
+def test_official_layout_uses_hf_rotary_halves(tmp_path):
+    """q/k rows are saved in HF's half-split layout: a HF-style attention over the saved weights
+    (rotate_half rotary) gives the same scores as our interleaved one."""
+    torch.manual_seed(1)
+    head = EagleHead.for_target(TINY).eval()
+    head.save(tmp_path)
+    state = torch.load(tmp_path / "pytorch_model.bin")
+    hd, T = TINY.head_dim, 5
+    x = torch.randn(T, TINY.dim)
+    pos = torch.arange(T, dtype=torch.float64)
+    inv = 1.0 / (TINY.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.outer(pos, inv)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+
+    def hf_rope(t):  # [T, heads, hd], HF rotate_half convention
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
+        return t * cos[:, None] + torch.cat([-t2, t1], -1) * sin[:, None]
+
+    q = hf_rope((x @ state["layers.0.self_attn.q_proj.weight"].T).view(T, TINY.n_head, hd))
+    k = hf_rope((x @ state["layers.0.self_attn.k_proj.weight"].T).view(T, TINY.n_local_heads, hd))
+    hf_scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(TINY.n_head // TINY.n_local_heads, 1))
+    from model import apply_rope, precompute_rope
+    c, s = precompute_rope(T, hd, TINY.rope_base)
+    wq, wk, _ = head.attention.wqkv.weight.split([TINY.n_head * hd, TINY.n_local_heads * hd, TINY.n_local_heads * hd])
+    q2 = apply_rope((x @ wq.T).view(1, T, TINY.n_head, hd), c, s)[0]
+    k2 = apply_rope((x @ wk.T).view(1, T, TINY.n_local_heads, hd), c, s)[0]
+    ours = torch.einsum("qhd,khd->hqk", q2, k2.repeat_interleave(TINY.n_head // TINY.n_local_heads, 1))
+    torch.testing.assert_close(ours, hf_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_head_that_does_not_fit_is_refused(tmp_path):
+    EagleHead.for_target(ModelArgs(**{**TINY.__dict__, "dim": 32, "n_head": 2, "n_local_heads": 1,
+                                      "head_dim": 0})).save(tmp_path / "narrow")
+    head = EagleHead.load(tmp_path / "narrow")
+    with pytest.raises(CheckpointError, match="hidden size 32 .* hidden size 64"):
+        head.check_fits(TINY, TINY.vocab_size)
+    EagleHead.for_target(ModelArgs(**{**TINY.__dict__, "vocab_size": 50})).save(tmp_path / "small_vocab")
+    with pytest.raises(CheckpointError, match="vocabulary 50 .* vocabulary 96"):
+        EagleHead.load(tmp_path / "small_vocab").check_fits(TINY, TINY.vocab_size)
+    with pytest.raises(CheckpointError, match="config.json missing"):
+        EagleHead.load(tmp_path / "nothing")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text((tmp_path / "narrow" / "config.json").read_text())
+    (tmp_path / "corrupt" / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        EagleHead.load(tmp_path / "corrupt")
+
+
+def test_shifted_alignment_in_training_inputs():
+    """Position i of the head pairs f_i with the embedding of t_{i+1} and is trained towards f_{i+1}."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from scripts.train_eagle import head_inputs
+
+    target = Transformer(TINY).eval()
+    tokens = torch.tensor([5, 17, 42, 9, 3])
+    features = torch.arange(5, dtype=torch.float32)[:, None].expand(5, TINY.dim).clone()
+    record = {"tokens": tokens, "features": features, "loss_mask": torch.tensor([0, 0, 1, 1, 1]).bool()}
+    embeds, inputs, targets, mask = head_inputs(target, record, "cpu")
+    assert torch.equal(embeds, target.tok_embeddings(tokens[1:]))  # t_{i+1}, not t_i
+    assert torch.equal(inputs[:, 0], torch.tensor([0.0, 1, 2, 3]))  # f_i
+    assert torch.equal(targets[:, 0], torch.tensor([1.0, 2, 3, 4]))  # f_{i+1}
+    assert mask.tolist() == [False, True, True, True]  # loss where t_{i+1} is an assistant token
+
+
+def test_generation_pairs_feature_with_next_token(monkeypatch):
+    """At inference the head's first input after the prompt pairs f_{P-1} with the sampled t_P."""
+    torch.manual_seed(0)
+    target = Transformer(TINY).eval()
+    head = EagleHead.for_target(TINY).eval()
+    seen = {}
+    real = generate.head_prefill
+
+    def spy(model, h, next_tokens, features, input_pos, last, k):
+        seen["next"], seen["pos"] = next_tokens.clone(), input_pos.clone()
+        return real(model, h, next_tokens, features, input_pos, last, k)
+
+    monkeypatch.setattr(generate, "head_prefill", spy)
+    prompt = [3, 8, 13, 21]
+    out, _ = generate.Session(target, 16, head, generate.parse_tree("chain-2")).generate(prompt, 2, generate.Sampling())
+    assert seen["pos"].tolist() == [0, 1, 2, 3]
+    assert seen["next"][0].tolist() == prompt[1:] + [out[0]]
+
+
+def make_tiny_data(tmp_path):
+    torch.manual_seed(0)
+    target = Transformer(TINY).eval()
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    torch.save(target.state_dict_for_save(), ckpt / "model.pth")
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": TINY.dim, "num_hidden_layers": TINY.n_layer,
+        "num_attention_heads": TINY.n_head, "num_key_value_heads": TINY.n_local_heads,
+        "intermediate_size": TINY.intermediate_size, "vocab_size": TINY.vocab_size, "rope_theta": TINY.rope_base,
+        "tie_word_embeddings": True}))
+    data = tmp_path / "data"
+    data.mkdir()
+    records = []
+    with torch.no_grad():
+        for i in range(12):
+            tokens = torch.randint(0, TINY.vocab_size, (24,))
+            target.setup_caches(1, 24)
+            _, feats = target(tokens[None], torch.arange(24))
+            records.append({"tokens": tokens, "features": feats[0].to(torch.bfloat16),
+                            "loss_mask": torch.arange(24) >= 6})
+    torch.save(records[:10], data / "train-generated-00000.pt")
+    torch.save(records[10:], data / "eval-generated-00000.pt")
+    torch.save(torch.ones(TINY.vocab_size, dtype=torch.long), data / "sharegpt_token_counts.pt")
+    return ckpt / "model.pth", data
+
+
+def train(ckpt, data, out, steps, stop_after=None):
+    cmd = [sys.executable, str(REPO / "scripts" / "train_eagle.py"), "train", "--checkpoint", str(ckpt),
+           "--data", str(data), "--out", str(out), "--max_steps", str(steps), "--batch_size", "2",
+           "--lr", "3e-3", "--warmup", "2", "--eval_every", "100", "--save_every", "2", "--eval_records", "2",
+           "--draft_vocab", "0", "--threads", "1"] + (["--stop_after", str(stop_after)] if stop_after else [])
+    subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
+    return torch.load(Path(out) / "checkpoint.pt", weights_only=False)
+
+
+def test_training_lowers_loss_and_resumes(tmp_path):
+    from scripts.train_eagle import evaluate, load_records
+
+    ckpt, data = make_tiny_data(tmp_path)
+    target = Transformer.from_checkpoint(ckpt)
+    records = load_records(data, "train-generated")
+
+    def loss_of(state):
+        head = EagleHead.for_target(target.config)
+        head.load_state_dict(state["head"])
+        head.bind(target.output.weight)
+        head.setup_rope(32)
+        return evaluate(target, head, records, "cpu", steps=0)["loss"]
+
+    torch.manual_seed(0)  # the training script seeds 0 before building its head
+    fresh = EagleHead.for_target(target.config)
+    first = train(ckpt, data, tmp_path / "run", 8, stop_after=4)
+    assert first["state"]["step"] == 4
+    assert loss_of({"head": first["head"]}) < loss_of({"head": fresh.state_dict()})
+    # resume: the run stopped at 4 and continued to 8 equals one that went to 8 directly
+    resumed = train(ckpt, data, tmp_path / "run", 8)
+    straight = train(ckpt, data, tmp_path / "straight", 8)
+    assert resumed["state"]["step"] == straight["state"]["step"] == 8
+    for k in straight["head"]:
+        torch.testing.assert_close(resumed["head"][k], straight["head"][k], rtol=1e-5, atol=1e-6)
+    assert resumed["optimizer"]["state"][0]["step"] == straight["optimizer"]["state"][0]["step"]
+
+
+def test_shipped_head_accuracy_matches_training_record(default_checkpoint):
+    """Top-1 accuracy of the shipped head on its 20 held-out target-generated sequences, recomputed
+    here from scratch, agrees with the number in its training record within 0.02."""
+    from scripts.train_eagle import heldout_accuracy
+
+    head_dir = generate.DEFAULT_HEAD
+    record = json.loads((head_dir / "training_record.json").read_text())
+    sequences = json.loads((head_dir / "heldout-generated.json").read_text())
+    assert len(sequences) == 20
+    target = Transformer.from_checkpoint(default_checkpoint)
+    head = EagleHead.load(head_dir)
+    head.bind(target.output.weight)
+    measured = heldout_accuracy(target, head, sequences, steps=0)["top1"][0]
+    assert abs(measured - record["heldout_eval"]["generated"]["top1"][0]) < 0.02
