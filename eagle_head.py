@@ -85,7 +85,8 @@ class EagleHead(nn.Module):
         """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
         weight = target_lm_weight
         if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized tensor subclass
-            weight = weight.dequantize()
+            from quantize import dequantized  # torchao's int4 tensors have no dequantize()
+            weight = dequantized(weight)
         weight = weight.to(self.fc.weight.dtype)
         if self.draft_vocab is None:
             self.lm_weight = weight.detach()

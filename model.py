@@ -166,10 +166,14 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=torch.float32) -> "Transformer":
-        """Load `model.pth` and the `config.json` beside it."""
+        """Load `model.pth` (or a `model_int8.pth` / `model_int4.g<N>.pth` from quantize.py) and the
+        `config.json` beside it."""
         checkpoint_path = Path(checkpoint_path)
         if not checkpoint_path.is_file():
             raise CheckpointError(f"{checkpoint_path} not found")
+        if checkpoint_path.name.startswith("model_int"):  # quantize.py's files; torchao loads only for them
+            from quantize import load_quantized
+            return load_quantized(checkpoint_path, device, dtype)
         config = ModelArgs.from_checkpoint_dir(checkpoint_path.parent)
         try:
             state = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
