@@ -529,7 +529,8 @@ def main(argv=None):
     for i in range(args.num_samples):
         session.tokens = []  # each sample starts from a fresh prefill, so timings compare
         out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids)
-        print(args.prompt + tokenizer.decode([t for t in out if t not in tokenizer.stop_ids]))
+        text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
+        print(text if args.chat_template else args.prompt + text)
         print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
 
 
