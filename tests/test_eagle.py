@@ -32,16 +32,7 @@ TIE = 1e-4  # a greedy divergence is accepted only where the target's top-2 logi
 CUSTOM_TREE = "[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"
 
 
-@pytest.fixture(autouse=True)
-def lean_torch():
-    """One thread and no autograd: on two shared, busy cores a second thread makes these batch-1 steps
-    several times slower (measured 3-10x), not faster."""
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_grad_enabled(grad)
+pytestmark = pytest.mark.usefixtures("lean_torch")
 
 
 # ---------------------------------------------------------------- helpers

@@ -36,16 +36,7 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "interm
                "tie_word_embeddings": True}
 
 
-@pytest.fixture(autouse=True)
-def lean_torch():
-    """One thread and no autograd, as in test_eagle.py: on two shared, busy cores a second thread makes
-    these small matmuls several times slower."""
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_grad_enabled(grad)
+pytestmark = pytest.mark.usefixtures("lean_torch")
 
 
 def sharegpt_exchanges(first: int, count: int) -> list:
