@@ -10,7 +10,7 @@ import torch
 
 import generate
 from eagle_head import EagleHead
-from model import CheckpointError, ModelArgs, Transformer, causal_mask
+from model import CheckpointError, ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=96,
