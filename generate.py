@@ -172,9 +172,7 @@ class Session:
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
         if head is not None:
-            # EAGLE-2 drafts its frontiers into (depth - 1) * top_k head slots past the prefix
-            draft_slots = (tree.depth - 1) * tree.top_k if isinstance(tree, DynamicTree) else 0
-            head.setup_caches(max_seq_len + max(scratch, draft_slots))
+            head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             head.bind(model.output.weight)
             self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
                                         dtype=model.output.weight.dtype)

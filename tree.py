@@ -88,6 +88,11 @@ class Tree:
     def max_rank(self) -> int:
         return int(self.ranks.max())
 
+    @property
+    def draft_slots(self) -> int:
+        """Head cache slots past the prefix that one draft writes: one per non-root node."""
+        return self.num_nodes - 1
+
     def to(self, device):
         for name in ("tree_mask", "depths", "parents", "ranks", "retrieve_indices"):
             setattr(self, name, getattr(self, name).to(device))
@@ -158,6 +163,11 @@ class DynamicTree:
     @property
     def max_rank(self) -> int:
         return self.top_k - 1
+
+    @property
+    def draft_slots(self) -> int:
+        """Head cache slots past the prefix that one draft writes: top_k per expanded level."""
+        return (self.depth - 1) * self.top_k
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):

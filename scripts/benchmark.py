@@ -363,10 +363,9 @@ def acceptance_summary(accept_lengths: list, max_depth: int) -> dict:
     cycles = len(accept_lengths)
     if not cycles:
         return {"cycles": 0, "tau": None, "mean_accept_length": None, "acceptance_by_depth": None}
-    return {"cycles": cycles,
-            "tau": (sum(accept_lengths) + cycles) / cycles,
-            "mean_accept_length": sum(accept_lengths) / cycles,
-            "acceptance_by_depth": [sum(a >= d for a in accept_lengths) / cycles for d in range(1, max_depth + 1)]}
+    stats = generate.Stats(accept_lengths=list(accept_lengths))
+    return {"cycles": cycles, "tau": stats.tau, "mean_accept_length": sum(accept_lengths) / cycles,
+            "acceptance_by_depth": stats.acceptance_by_depth(max_depth)}
 
 
 def prompt_key(run: dict) -> tuple:
