@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, causal_mask,
+from model import (Attention, CheckpointError, cache_dtype, FeedForward, KVCache, ModelArgs, RMSNorm, causal_mask,
                    halves_to_interleaved, interleaved_to_halves, precompute_rope)
 
 
@@ -44,6 +44,7 @@ class EagleHead(nn.Module):
         self.max_seq_len = 0
         self.draft_vocab: Optional[Tensor] = None  # token ids the draft may propose (None: all)
         self.lm_weight: Optional[Tensor] = None  # the target's LM head rows for draft_vocab (bind)
+        self.quantized_with = None  # a quantize.py handler: bind() quantizes lm_weight with it too
 
     @classmethod
     def for_target(cls, target_config: ModelArgs, fc_bias: bool = True) -> "EagleHead":
@@ -54,10 +55,11 @@ class EagleHead(nn.Module):
     def setup_caches(self, max_seq_len: int, dtype=None):
         if self.max_seq_len == max_seq_len and self.attention.kv_cache is not None:
             return
-        dtype = dtype or self.fc.weight.dtype
+        weight = self.fc.weight
         c = self.config
-        self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(self.fc.weight.device)
-        self.setup_rope(max_seq_len, dtype)
+        dtype = dtype or cache_dtype(weight.dtype, weight.device)
+        self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device)
+        self.setup_rope(max_seq_len)
 
     def setup_rope(self, max_seq_len: int, dtype=None):
         """Rotary tables only: training runs whole sequences with no KV cache."""
@@ -93,6 +95,12 @@ class EagleHead(nn.Module):
         else:
             self.draft_vocab = self.draft_vocab.to(weight.device)
             self.lm_weight = weight.detach()[self.draft_vocab].contiguous()
+        if self.quantized_with is not None:
+            from quantize import QuantizeError, quantized_weight
+            try:
+                self.lm_weight = quantized_weight(self.lm_weight, self.quantized_with)
+            except QuantizeError:  # a draft vocabulary the int4 kernel cannot take stays in float
+                pass
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary; `token_ids` maps their indices to token ids."""

@@ -408,7 +408,7 @@ def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampli
 # ---------------------------------------------------------------- command line
 def load(args):
     """Target, tokenizer and (with --eagle) head and tree, as the arguments ask."""
-    from scripts.convert_gguf import ensure_default_model
+    from scripts.convert_gguf import DEFAULT_CHECKPOINT, ensure_default_model
     from tokenizer import Tokenizer
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -420,16 +420,24 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}[args.dtype]
+    if dtype is None and not checkpoint.name.startswith("model_int"):  # quantized files know their dtype
+        dtype = torch.float32
     model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
+    dtype = model.tok_embeddings.weight.dtype
     tokenizer = Tokenizer.load(checkpoint.parent)
     head = None
     if args.eagle:
-        head_dir = args.eagle_head or (DEFAULT_HEAD if args.checkpoint is None else None)
+        default_model = checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent  # model.pth or a quantized one
+        head_dir = args.eagle_head or (DEFAULT_HEAD if default_model else None)
         if head_dir is None:
-            raise UsageError("--eagle with a --checkpoint other than the default needs --eagle_head DIR")
+            raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
         head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
+        quantization = getattr(model, "quantization", None)
+        if quantization is not None and quantization["mode"] == "int4":  # see quantize.py
+            from quantize import handler_for, quantize_head
+            quantize_head(head, handler_for("int4", quantization["groupsize"]))
         if isinstance(tree, Tree):
             tree.to(args.device)
     return model, tokenizer, head, tree
@@ -489,8 +497,10 @@ def parse_args(argv=None):
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: float32, or the dtype a quantized checkpoint was made for")
     p.add_argument("--max_seq_len", type=int, default=2048)
+    p.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's; 1 is faster on a busy machine)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
@@ -503,6 +513,8 @@ def parse_args(argv=None):
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.top_k is not None and args.top_k < 1:
         raise UsageError(f"--top_k must be >= 1, got {args.top_k}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise UsageError("--max_new_tokens and --num_samples must be >= 1")
     if not args.chat and not args.prompt.strip():
@@ -513,16 +525,19 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    session = Session(model, args.max_seq_len, head, tree)
     if args.compile or args.compile_prefill:
         compile_steps(args.device, args.compile_prefill)
     if args.chat:
-        return chat(session, tokenizer, args, sampling)
+        return chat(Session(model, args.max_seq_len, head, tree), tokenizer, args, sampling)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.encode_chat(messages) if args.chat_template else tokenizer.encode(args.prompt, bos=True)
+    # a cache no longer than this prompt needs: attention reads every cache slot
+    session = Session(model, min(args.max_seq_len, len(prompt) + args.max_new_tokens), head, tree)
     for i in range(args.num_samples):
         session.tokens = []  # each sample starts from a fresh prefill, so timings compare
         out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids)

@@ -97,14 +97,20 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        self.k_cache.index_copy_(2, input_pos, k)
-        self.v_cache.index_copy_(2, input_pos, v)
+        self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
         return self.k_cache, self.v_cache
 
     def move(self, src: Tensor, dst: Tensor):
         """Copy cache slots `src` to slots `dst` (committing an accepted tree path)."""
         self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
         self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+
+
+def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Keys, values and attention run in fp32 on CPU: PyTorch's bf16 attention there is several
+    times slower than fp32 for a few query rows (and the cache is small)."""
+    return torch.float32 if device.type == "cpu" else weight_dtype
 
 
 def causal_mask(input_pos: Tensor, max_seq_len: int) -> Tensor:
@@ -129,15 +135,16 @@ class Transformer(nn.Module):
         """(Re)allocate the KV caches and the rotary tables for `max_seq_len` positions."""
         if self.max_seq_len == max_seq_len and self.max_batch_size == max_batch_size:
             return
-        dtype = dtype or self.output.weight.dtype
         device = self.output.weight.device
+        rope_dtype = self.tok_embeddings.weight.dtype
+        dtype = dtype or cache_dtype(rope_dtype, device)
         c = self.config
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(device)
         cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=rope_dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=rope_dtype), persistent=False)
 
     def kv_caches(self):
         return [layer.attention.kv_cache for layer in self.layers]
@@ -231,8 +238,9 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
             k, v = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_local_heads)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, q_size))
+        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                           enable_gqa=self.n_head != self.n_local_heads)
+        return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
 
 
 class FeedForward(nn.Module):

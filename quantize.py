@@ -19,7 +19,10 @@ the file and checked on load.
 Every nn.Linear of the decoder is quantized; the token embedding and, unless --quantize_lm_head, the LM
 head stay in float (on the default model an int4 LM head drops top-1 agreement from 96.7% to 84.9%).
 With tied embeddings a quantized LM head is a copy of the shared matrix, so the embedding lookup is
-untouched. An EAGLE head stays in float and drafts through the target's LM head.
+untouched. An EAGLE head on an int4 target is quantized the same way when it is loaded (its linears and
+its rows of the LM head): on this CPU an int4 draft step costs about half a bf16 one, and bf16 costs
+several times more for a few rows at once. On an int8 target the head stays in float (torchao's int8
+linear is slower than bf16 on CPU for more than one row).
 
 File layout: {"quantization": {mode, groupsize, device ("cpu" / "cuda" / "any"), dtype, lm_head,
 torchao version}, "state_dict": the model's state dict}. `dequantized` turns any of these weights back
@@ -146,6 +149,29 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
             "torchao": torchao.__version__}
 
 
+@torch.no_grad()
+def quantize_head(head, handler):
+    """Quantize an EAGLE head's linears in place, and (at its next bind) its draft LM head rows."""
+    device_type = head.fc.weight.device.type
+    linears = {name: m for name, m in head.named_modules() if isinstance(m, nn.Linear)}
+    for name, linear in linears.items():
+        handler.check_linear(f"EAGLE head {name}", linear, device_type)
+    quantize_(head, handler.config(device_type), filter_fn=lambda m, fqn: fqn in linears)
+    head.quantized_with = handler
+    if head.lm_weight is not None:
+        head.lm_weight = quantized_weight(head.lm_weight, handler)
+
+
+@torch.no_grad()
+def quantized_weight(weight: Tensor, handler) -> Tensor:
+    """A [out, in] float weight as the handler's quantized tensor (F.linear accepts it)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight.copy_(weight)
+    handler.check_linear("EAGLE draft LM head", linear, weight.device.type)
+    quantize_(linear, handler.config(weight.device.type))
+    return linear.weight.detach()
+
+
 def dequantized(weight: Tensor) -> Tensor:
     """A plain tensor of a linear weight as its linear computes it (torchao's int4 tensors have no
     dequantize): the linear of the identity. Plain tensors come back as they are."""
@@ -191,6 +217,7 @@ def load_quantized(path: Path, device="cpu", dtype=None) -> Transformer:
         raise CheckpointError(f"{path} does not match its config.json: {lines[min(1, len(lines) - 1)].strip()}") from None
     if tied:
         model.output.weight = model.tok_embeddings.weight
+    model.quantization = meta
     for name in linears_to_quantize(model, meta["lm_head"]):
         if not handler.is_quantized(model.get_submodule(name).weight):
             raise CheckpointError(f"{path}: {name}.weight is not {meta['mode']} with group size {meta['groupsize']} "

@@ -97,7 +97,9 @@ def batch_features(model: Transformer, sequences: list):
 @torch.no_grad()
 def batch_generate(model: Transformer, prompts: list, max_new_tokens: int, stop_ids):
     """Greedy answers to a batch of prompts (left-padded); returns token ids and features of
-    prompt + answer per row (the features of the final stop token are not computed, so it is dropped)."""
+    prompt + answer per row (the features of the final token are not computed, so it is dropped).
+    Finished rows leave the batch (their cache rows are dropped), so long answers do not keep
+    short ones' rows busy."""
     B, P = len(prompts), max(len(p) for p in prompts)
     S = P + max_new_tokens
     model.setup_caches(B, S)
@@ -109,29 +111,30 @@ def batch_generate(model: Transformer, prompts: list, max_new_tokens: int, stop_
     pos = torch.arange(P)
     mask = causal_mask(pos, S)[None] & key_valid[:, None, :]
     logits, feats = model(tokens, pos, mask=mask[:, None], logits_at=slice(-1, None))
-    features, out = [feats], []
-    done = torch.zeros(B, dtype=torch.bool)
-    length = torch.full((B,), max_new_tokens)
+    answers = [[] for _ in range(B)]
+    features = [[feats[b, pad[b]:]] for b in range(B)]
+    alive = torch.arange(B)  # the original row of each row still in the batch
     nxt = logits[:, -1].argmax(-1)
     for step in range(max_new_tokens):
-        out.append(nxt)
-        stop = torch.tensor([t in stop_ids for t in nxt.tolist()]) & ~done
-        length[stop] = step + 1
-        done |= stop
-        if done.all() or step == max_new_tokens - 1:
+        for b, t in zip(alive.tolist(), nxt.tolist()):
+            answers[b].append(t)
+        keep = torch.tensor([t not in stop_ids for t in nxt.tolist()])
+        if step == max_new_tokens - 1 or not keep.any():
             break
-        pos = torch.tensor([P + step])
+        if not keep.all():
+            alive, nxt, key_valid = alive[keep], nxt[keep], key_valid[keep]
+            for cache in model.kv_caches():
+                cache.k_cache, cache.v_cache = cache.k_cache[keep], cache.v_cache[keep]
+            model.max_batch_size = len(alive)
         mask = (torch.arange(S)[None, :] <= P + step) & key_valid
-        logits, feats = model(nxt[:, None], pos, mask=mask[:, None, None])
-        features.append(feats)
+        logits, feats = model(nxt[:, None], torch.tensor([P + step]), mask=mask[:, None, None])
+        for j, b in enumerate(alive.tolist()):
+            features[b].append(feats[j])
         nxt = logits[:, -1].argmax(-1)
-    out = torch.stack(out, 1)
-    features = torch.cat(features, 1)
     rows = []
     for b in range(B):
-        n = int(length[b])  # answer tokens including the stop token
-        ids = prompts[b] + out[b, : n - 1].tolist()  # the stop token has no feature
-        rows.append((ids, features[b, pad[b]: pad[b] + len(ids)], len(prompts[b])))
+        ids = prompts[b] + answers[b][:-1]  # the last token (stop or cut) has no feature
+        rows.append((ids, torch.cat(features[b]), len(prompts[b])))
     return rows
 
 
@@ -352,8 +355,12 @@ def cmd_train(args):
     train = load_train()
     if not train:
         sys.exit(f"error: no training shards under {data}; run the `data` step first")
-    head = EagleHead.for_target(target.config, fc_bias=True).to(device)
-    head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, target.config.vocab_size, checkpoint.parent)
+    if args.init:  # warm start: a saved head's weights and draft vocabulary
+        head = EagleHead.load(args.init, device=device)
+        head.check_fits(target.config, target.config.vocab_size)
+    else:
+        head = EagleHead.for_target(target.config, fc_bias=True).to(device)
+        head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, target.config.vocab_size, checkpoint.parent)
     head.bind(target.output.weight)
     head.setup_rope(max(len(r["tokens"]) for r in train))
     module = torch.nn.parallel.DistributedDataParallel(head) if distributed else head
@@ -512,6 +519,7 @@ def main():
     t.add_argument("--data", default="data/eagle")
     t.add_argument("--out", default="runs/eagle")
     t.add_argument("--save_head", help="write the head here in the official EAGLE layout at the end")
+    t.add_argument("--init", help="start from this saved head (weights and draft vocabulary)")
     t.add_argument("--train_sets", nargs="+", default=["generated"])
     t.add_argument("--eval_sets", nargs="+", default=["generated"])
     t.add_argument("--eval_records", type=int, default=40)
