@@ -421,8 +421,6 @@ def load(args):
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}[args.dtype]
-    if dtype is None and not checkpoint.name.startswith("model_int"):  # quantized files know their dtype
-        dtype = torch.float32
     model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     dtype = model.tok_embeddings.weight.dtype
     tokenizer = Tokenizer.load(checkpoint.parent)

@@ -172,9 +172,9 @@ class Transformer(nn.Module):
         return self.output(selected), features
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=torch.float32) -> "Transformer":
+    def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=None) -> "Transformer":
         """Load `model.pth` (or a `model_int8.pth` / `model_int4.g<N>.pth` from quantize.py) and the
-        `config.json` beside it."""
+        `config.json` beside it. dtype None: float32, or the dtype a quantized file was made for."""
         checkpoint_path = Path(checkpoint_path)
         if not checkpoint_path.is_file():
             raise CheckpointError(f"{checkpoint_path} not found")
@@ -197,7 +197,7 @@ class Transformer(nn.Module):
             raise CheckpointError(f"{checkpoint_path} does not match its config.json: {first}") from None
         if config.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
-        return model.to(device=device, dtype=dtype).eval()
+        return model.to(device=device, dtype=dtype or torch.float32).eval()
 
     def state_dict_for_save(self):
         state = self.state_dict()

@@ -6,7 +6,7 @@
     python scripts/benchmark.py --questions my.jsonl              # any MT-bench-format JSONL, by category
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
 
-Methods are named configurations: `vanilla-{fp32,bf16}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
+Methods are named configurations: `vanilla-{fp32,bf16,int8,int4}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
 for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
 --ablation_tree), and with --peers transformers' `hf-DTYPE` (plain generate) and `hf-pld-DTYPE`
 (prompt-lookup decoding). --methods keeps the names matching any of its shell patterns.
@@ -58,6 +58,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import generate  # noqa: E402
+import quantize  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -65,7 +66,10 @@ from tree import Tree, parse_tree  # noqa: E402
 
 STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
 EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (int4 with its LM head,
+# g32), quantized in memory at load. An EAGLE head on an int4 target is int4 too, as in generate.py.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "int8": torch.bfloat16, "int4": torch.bfloat16}
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in one "
                      "```python code block.\n\n```python\n{prompt}```")
@@ -119,8 +123,9 @@ def build_methods(args) -> list:
                 for label, c in modes:
                     methods.append(Method(f"eagle{suffix}-{tree_name}-{d}-{label}", "eagle", d, c, spec, head_dir))
     if args.peers:
-        methods += [Method(f"hf-{d}", "hf", d) for d in args.dtypes]
-        methods += [Method(f"hf-pld-{d}", "hf-pld", d) for d in args.dtypes]
+        floats = [d for d in args.dtypes if d not in ("int8", "int4")]  # transformers runs the float weights
+        methods += [Method(f"hf-{d}", "hf", d) for d in floats]
+        methods += [Method(f"hf-pld-{d}", "hf-pld", d) for d in floats]
     selected = [m for m in methods if any(fnmatch.fnmatchcase(m.name, p) for p in args.methods)]
     if not selected:
         raise generate.UsageError(f"--methods {' '.join(args.methods)} selects none of: "
@@ -633,7 +638,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", type=Path, help="EAGLE head directory (default: the shipped head)")
     p.add_argument("--methods", nargs="+", default=["*"], help="shell patterns of the method names to run")
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "bf16"])
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+                   help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
+                   "(default: fp32 bf16 int8 int4; --quick: fp32 bf16)")
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"],
                    help="eager and/or compiled (default: both; --quick: eager)")
     p.add_argument("--trees", nargs="+", help="EAGLE trees, SPEC or NAME=SPEC (see generate.py --tree; default: "
@@ -663,6 +670,7 @@ def parse_args(argv=None):
         args.peers = False
     if args.max_new_tokens is None:
         args.max_new_tokens = 16 if args.quick else 256
+    args.dtypes = args.dtypes or (["fp32", "bf16"] if args.quick else ["fp32", "bf16", "int8", "int4"])
     args.modes = args.modes or (["eager"] if args.quick else ["eager", "compiled"])
     args.trees = args.trees or (QUICK_TREES if args.quick else DEFAULT_TREES)
     if args.datasets is None:
@@ -678,6 +686,14 @@ def parse_args(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise generate.UsageError("--device cuda asked for, but this machine has no CUDA device")
     return args
+
+
+def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
+    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[precision])
+    if precision in ("int8", "int4"):
+        model.quantization = quantize.quantize_model(model, quantize.handler_for(precision),
+                                                     quantize_lm_head=precision == "int4")
+    return model
 
 
 def timed_run(runner, prompt: list, max_new_tokens: int, sampling, stop_ids, device: str):
@@ -768,11 +784,13 @@ def run_benchmark(args, argv):
     targets, heads, peers, trees = {}, {}, {}, {}
     for m in methods:
         if m.kind in ("vanilla", "eagle") and m.dtype not in targets:
-            targets[m.dtype] = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[m.dtype])
+            targets[m.dtype] = load_target(checkpoint, m.dtype, device)
         if m.kind == "eagle":
             if (m.head, m.dtype) not in heads:
                 head = EagleHead.load(m.head, device=device, dtype=DTYPES[m.dtype])
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
+                if m.dtype == "int4":
+                    quantize.quantize_head(head, quantize.handler_for("int4"))
                 heads[m.head, m.dtype] = head
             if m.tree not in trees:
                 trees[m.tree] = parse_tree(m.tree)
