@@ -264,14 +264,26 @@ def peak_memory_mb(device: str, rss_before: Optional[float]) -> dict:
     return out
 
 
+def plain_tensors(t):
+    """The tensors holding t's memory: itself, or a tensor subclass's (torchao's) inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            yield from plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
 def tensor_mb(*modules) -> float:
-    """Weights and buffers (KV caches) of the modules, each tensor counted once."""
+    """Weights and buffers (KV caches) of the modules, each storage counted once; an EAGLE head's
+    bound LM head rows included."""
     seen, total = set(), 0
     for module in modules:
-        for t in list(module.parameters()) + list(module.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        bound = [module.lm_weight] if getattr(module, "lm_weight", None) is not None else []
+        for t in list(module.parameters()) + list(module.buffers()) + bound:
+            for p in plain_tensors(t.data if isinstance(t, torch.nn.Parameter) else t):
+                if p.data_ptr() not in seen:
+                    seen.add(p.data_ptr())
+                    total += p.numel() * p.element_size()
     return total / 2 ** 20
 
 

@@ -198,3 +198,15 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
     assert len(result["runs"]) == 4 * 3  # 4 methods x (2 + 1 turns)
     assert all(s["outputs_match_vanilla"]["matched"] == 3
                for name, s in group["methods"].items() if name != "vanilla-fp32-eager")
+
+
+def test_tensor_mb_counts_every_quantized_weight():
+    """torchao weights are wrapper tensors with no storage of their own: their inner tensors count."""
+    from torchao.quantization import quantize_
+
+    import quantize
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    quantize_(model, quantize.handler_for("int8").config("cpu"))
+    size = benchmark.tensor_mb(model) * 2 ** 20
+    assert 2 * 64 * 64 <= size <= 2 * (64 * 64 + 64 * 8)  # int8 rows plus a scale per row, both weights
