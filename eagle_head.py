@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import (Attention, CheckpointError, cache_dtype, FeedForward, KVCache, ModelArgs, RMSNorm, causal_mask,
-                   halves_to_interleaved, interleaved_to_halves, precompute_rope)
+from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, cache_dtype,
+                   causal_mask, halves_to_interleaved, interleaved_to_halves, precompute_rope)
 
 
 class EagleHead(nn.Module):

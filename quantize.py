@@ -151,15 +151,14 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
 
 @torch.no_grad()
 def quantize_head(head, handler):
-    """Quantize an EAGLE head's linears in place, and (at its next bind) its draft LM head rows."""
+    """Quantize an EAGLE head's linears in place; its draft LM head rows follow at its next bind
+    (Session binds the head to its target)."""
     device_type = head.fc.weight.device.type
     linears = {name: m for name, m in head.named_modules() if isinstance(m, nn.Linear)}
     for name, linear in linears.items():
         handler.check_linear(f"EAGLE head {name}", linear, device_type)
     quantize_(head, handler.config(device_type), filter_fn=lambda m, fqn: fqn in linears)
     head.quantized_with = handler
-    if head.lm_weight is not None:
-        head.lm_weight = quantized_weight(head.lm_weight, handler)
 
 
 @torch.no_grad()
