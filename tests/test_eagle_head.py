@@ -204,3 +204,26 @@ def test_shipped_head_accuracy_matches_training_record(default_checkpoint):
     head.bind(target.output.weight)
     measured = heldout_accuracy(target, head, sequences, steps=0)["top1"][0]
     assert abs(measured - record["heldout_eval"]["generated"]["top1"][0]) < 0.02
+
+
+def test_batch_generate_matches_one_prompt_at_a_time():
+    """The data step's batched greedy answers (left padding, finished rows leaving the batch) equal
+    vanilla greedy decoding of each prompt alone, and their features equal a plain forward's."""
+    from scripts.train_eagle import batch_generate
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96,
+                                  vocab_size=128)).eval()
+    prompts = [[1, 5, 9], [1, 7, 3, 8, 2, 6], [1, 4]]
+    greedy = []
+    for p in prompts:
+        out, _ = generate.Session(model, 32).generate(p, 12, generate.Sampling())
+        greedy.append(out)
+    stop = {greedy[0][3], greedy[2][6]}  # rows stop at different steps, one possibly never
+    rows = batch_generate(model, prompts, 12, stop)
+    for p, want, (ids, features, n_prompt) in zip(prompts, greedy, rows):
+        end = next((i + 1 for i, t in enumerate(want) if t in stop), len(want))
+        assert n_prompt == len(p) and ids == p + want[: end - 1]  # the last token has no feature
+        model.setup_caches(1, len(ids))
+        _, expected = model(torch.tensor([ids]), torch.arange(len(ids)))
+        torch.testing.assert_close(features, expected[0], atol=1e-4, rtol=1e-4)
