@@ -432,10 +432,9 @@ def load(args):
             raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
         head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
-        quantization = getattr(model, "quantization", None)
-        if quantization is not None and quantization["mode"] == "int4":  # see quantize.py
-            from quantize import handler_for, quantize_head
-            quantize_head(head, handler_for("int4", quantization["groupsize"]))
+        if getattr(model, "quantization", None) is not None:  # torchao is imported for quantized files only
+            from quantize import quantize_head_like
+            quantize_head_like(head, model)
         if isinstance(tree, Tree):
             tree.to(args.device)
     return model, tokenizer, head, tree

@@ -131,7 +131,8 @@ def linears_to_quantize(model: Transformer, quantize_lm_head: bool) -> dict:
 
 @torch.no_grad()
 def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) -> dict:
-    """Quantize `model` in place (on its device, in its dtype); returns the metadata for its file."""
+    """Quantize `model` in place (on its device, in its dtype); returns the metadata for its file,
+    also kept as `model.quantization`."""
     device_type = model.output.weight.device.type
     dtype = model.output.weight.dtype
     if device_type not in ("cpu", "cuda"):
@@ -144,9 +145,17 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
     if quantize_lm_head and model.output.weight is model.tok_embeddings.weight:
         model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone(), requires_grad=False)
     quantize_(model, handler.config(device_type), filter_fn=lambda m, fqn: fqn in linears)
-    return {"mode": handler.mode, "groupsize": handler.groupsize, "device": handler.packed_for(device_type),
-            "dtype": str(dtype).removeprefix("torch."), "lm_head": quantize_lm_head,
-            "torchao": torchao.__version__}
+    model.quantization = {"mode": handler.mode, "groupsize": handler.groupsize,
+                          "device": handler.packed_for(device_type), "dtype": str(dtype).removeprefix("torch."),
+                          "lm_head": quantize_lm_head, "torchao": torchao.__version__}
+    return model.quantization
+
+
+def quantize_head_like(head, target: Transformer):
+    """The EAGLE head of an int4 target is int4 too (see above); on other targets it stays in float."""
+    meta = getattr(target, "quantization", None)
+    if meta is not None and meta["mode"] == "int4":
+        quantize_head(head, handler_for("int4", meta["groupsize"]))
 
 
 @torch.no_grad()

@@ -703,8 +703,7 @@ def parse_args(argv=None):
 def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[precision])
     if precision in ("int8", "int4"):
-        model.quantization = quantize.quantize_model(model, quantize.handler_for(precision),
-                                                     quantize_lm_head=precision == "int4")
+        quantize.quantize_model(model, quantize.handler_for(precision), quantize_lm_head=precision == "int4")
     return model
 
 
@@ -801,8 +800,7 @@ def run_benchmark(args, argv):
             if (m.head, m.dtype) not in heads:
                 head = EagleHead.load(m.head, device=device, dtype=DTYPES[m.dtype])
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
-                if m.dtype == "int4":
-                    quantize.quantize_head(head, quantize.handler_for("int4"))
+                quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
             if m.tree not in trees:
                 trees[m.tree] = parse_tree(m.tree)

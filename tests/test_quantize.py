@@ -171,8 +171,8 @@ def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantize
     vocab = sorted({t for ids in prompts + expected for t in ids})
     head.draft_vocab = torch.tensor(vocab[: len(vocab) // 16 * 16])  # the int4 kernel takes rows by 16
     int4 = request.node.callspec.id.startswith("int4")
-    if int4:  # as generate.py does on an int4 target
-        quantize.quantize_head(head, quantize.handler_for("int4"))
+    quantize.quantize_head_like(head, model)  # as generate.py does: int4 on an int4 target
+    if int4:
         assert type(head.fc.weight) is type(model.output.weight)
     eagle = Session(model, max_seq_len, head, parse_tree("paper"))
     if int4:  # the bound draft LM head rows are quantized like the target's
