@@ -11,6 +11,11 @@ Draft vocabulary (optional, as EAGLE-3 does): a head may draft from only the mos
 only, which on a CPU makes a draft step several times cheaper (the 49152-row LM head is most of
 it). Verification still uses the full target, so this changes speed and acceptance, never output.
 
+Input representation (`input_mode`, for the paper's ablation only; the shipped head is "shifted"):
+"shifted" is EAGLE's fc(concat(embed(t_{i+1}), f_i)); "unshifted" pairs f_i with its own token t_i, so the
+draft never sees the token sampled after f_i; "feature" and "token" zero the other half of the input.
+Callers pick the token with `pair_tokens`; everything else is the same for every mode.
+
 Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang and vLLM also read:
 config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys
 fc.weight, fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight,
@@ -32,11 +37,17 @@ from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, 
                    causal_mask, halves_to_interleaved, interleaved_to_halves, precompute_rope)
 
 
+INPUT_MODES = ("shifted", "unshifted", "feature", "token")
+
+
 class EagleHead(nn.Module):
-    def __init__(self, config: ModelArgs, fc_bias: bool = True):
+    def __init__(self, config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted"):
         super().__init__()
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {', '.join(INPUT_MODES)}, got {input_mode!r}")
         self.config = config
         self.fc_bias = fc_bias
+        self.input_mode = input_mode
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=fc_bias)
         self.attention = Attention(config, bias=False)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
@@ -47,10 +58,10 @@ class EagleHead(nn.Module):
         self.quantized_with = None  # a quantize.py handler: bind() quantizes lm_weight with it too
 
     @classmethod
-    def for_target(cls, target_config: ModelArgs, fc_bias: bool = True) -> "EagleHead":
+    def for_target(cls, target_config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted") -> "EagleHead":
         """A fresh head shaped for a target: one layer of the target's dimensions and rope_theta."""
         config = ModelArgs(**{**asdict(target_config), "n_layer": 1, "attention_bias": False, "rope_scaling": None})
-        return cls(config, fc_bias)
+        return cls(config, fc_bias, input_mode)
 
     def setup_caches(self, max_seq_len: int, dtype=None):
         if self.max_seq_len == max_seq_len and self.attention.kv_cache is not None:
@@ -73,8 +84,12 @@ class EagleHead(nn.Module):
 
     def forward(self, token_embeds: Tensor, features: Tensor, input_pos: Tensor,
                 mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None) -> Tensor:
-        """token_embeds: [B, T, dim] embeddings of t_{i+1}; features: [B, T, dim] the features f_i
-        (true or predicted) at the same positions. Returns the predicted f_{i+1}, [B, T, dim]."""
+        """token_embeds: [B, T, dim] embeddings of t_{i+1} (of `pair_tokens`); features: [B, T, dim]
+        the features f_i (true or predicted) at the same positions. Returns the predicted f_{i+1}."""
+        if self.input_mode == "feature":
+            token_embeds = torch.zeros_like(token_embeds)
+        elif self.input_mode == "token":
+            features = torch.zeros_like(features)
         if mask is None:
             mask = causal_mask(input_pos, self.max_seq_len)
         if rope_pos is None:
@@ -82,6 +97,10 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         h = x + self.attention(x, input_pos, self.rope_cos[rope_pos], self.rope_sin[rope_pos], mask)
         return h + self.feed_forward(self.post_attention_norm(h))
+
+    def pair_tokens(self, next_tokens: Tensor, own_tokens: Tensor) -> Tensor:
+        """The tokens whose embeddings go with features f_i: t_{i+1} (EAGLE), or t_i ("unshifted")."""
+        return own_tokens if self.input_mode == "unshifted" else next_tokens
 
     def bind(self, target_lm_weight: Tensor):
         """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
@@ -129,6 +148,8 @@ class EagleHead(nn.Module):
             "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "hidden_act": "silu", "torch_dtype": "float32",
             "head_dim": c.head_dim,
         }
+        if self.input_mode != "shifted":  # an ablation head; EAGLE's own layout has no such key
+            config["eagle_input_mode"] = self.input_mode
         (out_dir / "config.json").write_text(json.dumps(config, indent=2))
         state = {k: v.float().contiguous() for k, v in self.official_state_dict().items()}
         if target_embedding is not None:
@@ -193,7 +214,10 @@ class EagleHead(nn.Module):
         fc_bias = "fc.bias" in state
         if fc_bias:
             ours["fc.bias"] = state["fc.bias"]
-        head = cls(config, fc_bias)
+        input_mode = config_dict.get("eagle_input_mode", "shifted")
+        if input_mode not in INPUT_MODES:
+            raise CheckpointError(f"{config_path}: eagle_input_mode {input_mode!r} is not one of {', '.join(INPUT_MODES)}")
+        head = cls(config, fc_bias, input_mode)
         if (head_dir / "draft_vocab.json").is_file():
             head.draft_vocab = torch.tensor(json.loads((head_dir / "draft_vocab.json").read_text()))
             if head.draft_vocab.numel() == 0 or int(head.draft_vocab.max()) >= config.vocab_size:

@@ -253,7 +253,8 @@ class Session:
         # the head catches up on the prompt: pairs (f_i, t_{i+1}) for i = head_len .. len(tokens) - 1
         self.tokens.append(token)
         pos = torch.arange(self.head_len, self.target_len, device=device)
-        nxt = torch.tensor(self.tokens[self.head_len + 1:], device=device).view(1, -1)
+        nxt = head.pair_tokens(self.tokens[self.head_len + 1:], self.tokens[self.head_len:self.target_len])
+        nxt = torch.tensor(nxt, device=device).view(1, -1)
         last = torch.tensor([pos.numel() - 1], device=device)
         root_hidden, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None], pos, last, k)
         stats.head_forwards += 1
@@ -282,7 +283,8 @@ class Session:
                 cache.move(src, dst)
             feats = features[0].index_select(0, src - base)
             self.features[self.target_len: self.target_len + pad] = feats
-            nxt = torch.tensor(new + [0] * (pad - len(new)), device=device).view(1, -1)
+            paired = head.pair_tokens(new, [token] + new[:-1])
+            nxt = torch.tensor(paired + [0] * (pad - len(paired)), device=device).view(1, -1)
             root_hidden, top_logp, top_tokens = head_extend(
                 model, head, nxt, feats[None], dst, torch.tensor([n_acc - 1], device=device), k)
             stats.head_forwards += 1
@@ -307,7 +309,8 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, to
             break
         slots = base + torch.arange(first - 1, end - 1, device=device)
         parent_hidden, _, parent_top = draft_step(
-            target, head, node_tokens[first:end].view(1, -1), parent_hidden[:, parent_in_level], slots,
+            target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
+            parent_hidden[:, parent_in_level], slots,
             (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], tree.max_rank + 1)
     return node_tokens, tree.parents, tree.depths, tree.tree_mask
 
@@ -325,14 +328,16 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
     n_slots = (tree.depth - 1) * K
     frontier_slots = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # scratch ancestors
     prefix = torch.arange(head.max_seq_len, device=device) < base
+    root = torch.tensor([root_token], device=device)
     for depth in range(1, tree.depth):
         tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
         own = torch.arange((depth - 1) * K, depth * K, device=device)
         frontier_slots[torch.arange(K, device=device), own] = True
         mask = prefix[None, :].repeat(K, 1)
         mask[:, base + torch.arange(n_slots, device=device)] = frontier_slots
+        own_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]  # frontier parents'
         hidden, child_logp, child_tokens = draft_step(
-            target, head, tokens[frontier].view(1, -1), frontier_hidden, base + own,
+            target, head, head.pair_tokens(tokens[frontier], own_tokens).view(1, -1), frontier_hidden, base + own,
             (base + depth - 1).expand(K), mask, K)
         child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
         start = tokens.numel()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eagle_head import EagleHead  # noqa: E402
+from eagle_head import INPUT_MODES, EagleHead  # noqa: E402
 from model import Transformer, causal_mask  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -209,15 +209,16 @@ def load_records(data_dir: Path, prefix: str):
     return records
 
 
-def head_inputs(target: Transformer, record, device, noise: float = 0.0):
-    """Shifted pairs for one sequence: features f_0..f_{L-2}, embeddings of t_1..t_{L-1};
-    targets f_1..f_{L-1}; loss where t_{i+1} is an assistant token."""
+def head_inputs(target: Transformer, head: EagleHead, record, device, noise: float = 0.0):
+    """Shifted pairs for one sequence: features f_0..f_{L-2}, embeddings of t_1..t_{L-1} (of
+    t_0..t_{L-2} for an "unshifted" head); targets f_1..f_{L-1}; loss where t_{i+1} is an assistant token."""
     tokens = record["tokens"].to(device)
     feats = record["features"].to(device=device, dtype=torch.float32)
     inputs = feats[:-1]
     if noise:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
-    return target.tok_embeddings(tokens[1:]), inputs, feats[1:], record["loss_mask"][1:].to(device)
+    paired = head.pair_tokens(tokens[1:], tokens[:-1])
+    return target.tok_embeddings(paired), inputs, feats[1:], record["loss_mask"][1:].to(device)
 
 
 def pad_batch(rows):
@@ -265,12 +266,13 @@ def draft_vocabulary(records, data_dir: Path, size: int, vocab_size: int, tokeni
 
 
 def forward_batch(target, head, records, device, noise=0.0):
-    parts = [head_inputs(target, r, device, noise) for r in records]
+    plain = head.module if hasattr(head, "module") else head  # DDP wraps the head
+    parts = [head_inputs(target, plain, r, device, noise) for r in records]
     embeds, feats, true_next, mask = (pad_batch([p[i] for p in parts]) for i in range(4))
     T = embeds.shape[1]
     pos = torch.arange(T, device=device)
     pred = head(embeds, feats, pos, mask=causal_mask(pos, T), rope_pos=pos)
-    return eagle_loss(head.module if hasattr(head, "module") else head, pred, true_next, mask.bool())
+    return eagle_loss(plain, pred, true_next, mask.bool())
 
 
 @torch.no_grad()
@@ -279,7 +281,7 @@ def chained_accuracy(target: Transformer, head: EagleHead, record, steps: int, d
     head's own predicted features (as while drafting a chain), the context before them true ones.
     All start positions at once: chain step s of the chain that starts at position j sits in head
     cache slot s * L + j and sees true slots <= j and its own chain's earlier steps."""
-    embeds, feats, true_next, mask = head_inputs(target, record, device)
+    embeds, feats, true_next, mask = head_inputs(target, head, record, device)
     L = embeds.shape[0]
     head.setup_caches(L * (steps + 1))
     slots = torch.arange(L, device=device)
@@ -358,8 +360,10 @@ def cmd_train(args):
     if args.init:  # warm start: a saved head's weights and draft vocabulary
         head = EagleHead.load(args.init, device=device)
         head.check_fits(target.config, target.config.vocab_size)
+        if args.input_mode and args.input_mode != head.input_mode:
+            sys.exit(f"error: --init head has input mode {head.input_mode!r}, not {args.input_mode!r}; drop one")
     else:
-        head = EagleHead.for_target(target.config, fc_bias=True).to(device)
+        head = EagleHead.for_target(target.config, fc_bias=True, input_mode=args.input_mode or "shifted").to(device)
         head.draft_vocab = draft_vocabulary(train, data, args.draft_vocab, target.config.vocab_size, checkpoint.parent)
     head.bind(target.output.weight)
     head.setup_rope(max(len(r["tokens"]) for r in train))
@@ -531,6 +535,9 @@ def main():
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
+    t.add_argument("--input_mode", "--input-mode", choices=INPUT_MODES,
+                   help="head input for the paper's ablation (default shifted, EAGLE): unshifted pairs f_i "
+                   "with t_i, feature / token use one half only")
     t.add_argument("--grad_clip", type=float, default=0.5)
     t.add_argument("--bf16", action="store_true", help="bf16 autocast")
     t.add_argument("--eval_every", type=int, default=200)

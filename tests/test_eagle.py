@@ -188,6 +188,20 @@ def test_greedy_tiny_equals_vanilla(spec, head_kind):
         assert min(accepts) == 0
 
 
+@pytest.mark.parametrize("mode", ["unshifted", "feature", "token"])
+def test_greedy_ablation_heads_equal_vanilla(mode):
+    """Heads with the ablation's input modes are drafts like any other: output stays vanilla's."""
+    model = tiny_target()
+    torch.manual_seed(1)
+    head = EagleHead.for_target(model.config, input_mode=mode).eval()
+    for spec in ["paper", "chain-3", "dynamic-4-4-12"]:
+        tree = parse_tree(spec)
+        for prompt in tiny_prompts(2, model.config.vocab_size):
+            out, stats = Session(model, len(prompt) + 24, head, tree).generate(prompt, 24, Sampling())
+            assert_greedy_equal(model, prompt, out, vanilla_greedy(model, prompt, 24))
+            check_stats(stats, out, 24, tree)
+
+
 # ---------------------------------------------------------------- greedy on the default model
 @pytest.fixture(scope="module")
 def default_model(default_checkpoint):

@@ -100,30 +100,78 @@ def test_shifted_alignment_in_training_inputs():
     tokens = torch.tensor([5, 17, 42, 9, 3])
     features = torch.arange(5, dtype=torch.float32)[:, None].expand(5, TINY.dim).clone()
     record = {"tokens": tokens, "features": features, "loss_mask": torch.tensor([0, 0, 1, 1, 1]).bool()}
-    embeds, inputs, targets, mask = head_inputs(target, record, "cpu")
+    embeds, inputs, targets, mask = head_inputs(target, EagleHead.for_target(TINY), record, "cpu")
     assert torch.equal(embeds, target.tok_embeddings(tokens[1:]))  # t_{i+1}, not t_i
     assert torch.equal(inputs[:, 0], torch.tensor([0.0, 1, 2, 3]))  # f_i
     assert torch.equal(targets[:, 0], torch.tensor([1.0, 2, 3, 4]))  # f_{i+1}
     assert mask.tolist() == [False, True, True, True]  # loss where t_{i+1} is an assistant token
+    # the ablation's "unshifted" head pairs f_i with its own token t_i
+    embeds, _, _, _ = head_inputs(target, EagleHead.for_target(TINY, input_mode="unshifted"), record, "cpu")
+    assert torch.equal(embeds, target.tok_embeddings(tokens[:-1]))
 
 
-def test_generation_pairs_feature_with_next_token(monkeypatch):
-    """At inference the head's first input after the prompt pairs f_{P-1} with the sampled t_P."""
+@pytest.mark.parametrize("mode", ["unshifted", "feature", "token"])
+def test_input_modes(tmp_path, mode):
+    """Ablation heads keep their input mode through save/load; "feature" ignores the token half of
+    the input and "token" the feature half."""
+    torch.manual_seed(0)
+    head = EagleHead.for_target(TINY, input_mode=mode)
+    head.save(tmp_path / mode)
+    loaded = EagleHead.load(tmp_path / mode)
+    assert loaded.input_mode == mode
+    EagleHead.for_target(TINY).save(tmp_path / "eagle")  # EAGLE's own heads keep the public layout
+    assert "eagle_input_mode" not in json.loads((tmp_path / "eagle" / "config.json").read_text())
+    loaded.setup_caches(8)
+    pos = torch.arange(3)
+    embeds, feats = torch.randn(1, 3, TINY.dim), torch.randn(1, 3, TINY.dim)
+    out = loaded(embeds, feats, pos)
+    if mode == "feature":
+        assert torch.equal(out, loaded(torch.randn_like(embeds), feats, pos))
+    elif mode == "token":
+        assert torch.equal(out, loaded(embeds, torch.randn_like(feats), pos))
+    else:
+        assert not torch.allclose(out, loaded(torch.randn_like(embeds), feats, pos))
+    config = json.loads((tmp_path / mode / "config.json").read_text())
+    (tmp_path / mode / "config.json").write_text(json.dumps({**config, "eagle_input_mode": "sideways"}))
+    with pytest.raises(CheckpointError, match="eagle_input_mode"):
+        EagleHead.load(tmp_path / mode)
+
+
+@pytest.mark.parametrize("mode", ["shifted", "unshifted"])
+def test_generation_pairs_feature_with_next_token(monkeypatch, mode):
+    """At inference the head's first input after the prompt pairs f_{P-1} with the sampled t_P, and a
+    draft node's input pairs its parent's predicted feature with the node's own token; an "unshifted"
+    head gets t_{P-1} and the parent's token instead, as in its training inputs."""
     torch.manual_seed(0)
     target = Transformer(TINY).eval()
-    head = EagleHead.for_target(TINY).eval()
-    seen = {}
-    real = generate.head_prefill
+    head = EagleHead.for_target(TINY, input_mode=mode).eval()
+    seen = {"draft": [], "verify": []}
+    real_prefill, real_draft, real_verify = generate.head_prefill, generate.draft_step, generate.verify
 
-    def spy(model, h, next_tokens, features, input_pos, last, k):
+    def spy_prefill(model, h, next_tokens, features, input_pos, last, k):
         seen["next"], seen["pos"] = next_tokens.clone(), input_pos.clone()
-        return real(model, h, next_tokens, features, input_pos, last, k)
+        return real_prefill(model, h, next_tokens, features, input_pos, last, k)
 
-    monkeypatch.setattr(generate, "head_prefill", spy)
+    def spy_draft(model, h, tokens, *rest):
+        seen["draft"].append(tokens.clone())
+        return real_draft(model, h, tokens, *rest)
+
+    def spy_verify(model, node_tokens, *rest):
+        seen["verify"].append(node_tokens.clone())
+        return real_verify(model, node_tokens, *rest)
+
+    monkeypatch.setattr(generate, "head_prefill", spy_prefill)
+    monkeypatch.setattr(generate, "draft_step", spy_draft)
+    monkeypatch.setattr(generate, "verify", spy_verify)
     prompt = [3, 8, 13, 21]
     out, _ = generate.Session(target, 16, head, generate.parse_tree("chain-2")).generate(prompt, 2, generate.Sampling())
     assert seen["pos"].tolist() == [0, 1, 2, 3]
-    assert seen["next"][0].tolist() == prompt[1:] + [out[0]]
+    if mode == "shifted":
+        assert seen["next"][0].tolist() == prompt[1:] + [out[0]]
+    else:
+        assert seen["next"][0].tolist() == prompt
+    root, depth1 = seen["verify"][0][:2].tolist()  # the chain's nodes: root, then its depth-1 draft
+    assert seen["draft"][0].tolist() == [[depth1 if mode == "shifted" else root]]
 
 
 def make_tiny_data(tmp_path):
