@@ -201,13 +201,28 @@ def make_tiny_data(tmp_path):
     return ckpt / "model.pth", data
 
 
-def train(ckpt, data, out, steps, stop_after=None):
-    cmd = [sys.executable, str(REPO / "scripts" / "train_eagle.py"), "train", "--checkpoint", str(ckpt),
-           "--data", str(data), "--out", str(out), "--max_steps", str(steps), "--batch_size", "2",
+def train(ckpt, data, out, steps, stop_after=None, batch_size=2, launcher=(), extra=()):
+    cmd = [sys.executable, *launcher, str(REPO / "scripts" / "train_eagle.py"), "train", "--checkpoint", str(ckpt),
+           "--data", str(data), "--out", str(out), "--max_steps", str(steps), "--batch_size", str(batch_size),
            "--lr", "3e-3", "--warmup", "2", "--eval_every", "100", "--save_every", "2", "--eval_records", "2",
-           "--draft_vocab", "0", "--threads", "1"] + (["--stop_after", str(stop_after)] if stop_after else [])
+           "--draft_vocab", "0", "--threads", "1", *extra] + (["--stop_after", str(stop_after)] if stop_after else [])
     subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
     return torch.load(Path(out) / "checkpoint.pt", weights_only=False)
+
+
+def test_ddp_training_equals_one_process(tmp_path):
+    """torchrun with 2 CPU processes (gloo), 1 sequence each, takes the same steps as one process with
+    2 sequences: DDP averages the two ranks' gradients, and with equal-length sequences (and no
+    input noise, whose random stream differs per process) that is the one-process gradient. Without
+    the gradient all-reduce, rank 0 (which saves) would have trained on its own sequence only."""
+    ckpt, data = make_tiny_data(tmp_path)
+    one = train(ckpt, data, tmp_path / "one", 4, extra=["--noise", "0"])
+    ddp = train(ckpt, data, tmp_path / "ddp", 4, batch_size=1, extra=["--noise", "0"],
+                launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    assert ddp["state"]["step"] == one["state"]["step"] == 4
+    assert ddp["state"]["tokens_seen"] == one["state"]["tokens_seen"]
+    for name, value in one["head"].items():
+        assert torch.allclose(ddp["head"][name], value, atol=1e-5, rtol=1e-4), name
 
 
 def test_training_lowers_loss_and_resumes(tmp_path):
