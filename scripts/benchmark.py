@@ -503,6 +503,26 @@ def default_out(info: dict, quick: bool) -> Path:
     return out
 
 
+def head_record(head_dir: str) -> dict:
+    """What a head is and its training budget, from its config.json and training_record.json."""
+    head_dir = Path(head_dir)
+    config = json.loads((head_dir / "config.json").read_text())
+    row = {"path": str(head_dir), "input_mode": config.get("eagle_input_mode", "shifted"),
+           "draft_vocab": (len(json.loads((head_dir / "draft_vocab.json").read_text()))
+                           if (head_dir / "draft_vocab.json").is_file() else None)}
+    record_path = head_dir / "training_record.json"
+    if record_path.is_file():
+        record = json.loads(record_path.read_text())
+        warm = record.get("warm_start") or {}
+        heldout = (record.get("heldout_eval") or record.get("final") or {}).get("generated") or {}
+        row.update({"steps": warm.get("total_steps", record.get("steps")),
+                    "tokens_seen": warm.get("total_tokens_seen", record.get("tokens_seen")),
+                    "wall_s": warm.get("total_wall_s", record.get("wall_s")),
+                    "train_sequences": record.get("train_sequences"),
+                    "heldout_top1": heldout.get("top1")})
+    return row
+
+
 def fmt(x, digits=2, suffix=""):
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 
@@ -549,7 +569,8 @@ def markdown(result: dict, plot_names: list) -> str:
                       "features", "",
                       "| method | " + " | ".join(f"{n}-alpha" for n in range(width)) + " |",
                       "|---|" + "---|" * width]
-            lines += [f"| {name} | " + " | ".join(fmt(a) for a in al) + " |" for name, al in alphas.items()]
+            lines += [f"| {name} | " + " | ".join([fmt(a) for a in al] + ["–"] * (width - len(al))) + " |"
+                      for name, al in alphas.items()]
         if len(g["categories"]) > 1:
             names = list(g["methods"])
             lines += ["", "Median speedup by category", "", "| category | " + " | ".join(names) + " |",
@@ -557,6 +578,16 @@ def markdown(result: dict, plot_names: list) -> str:
             for category, per in g["categories"].items():
                 cells = [fmt(per.get(n, {}).get("speedup_median")) for n in names]
                 lines.append(f"| {category} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if meta.get("heads"):
+        lines += ["## EAGLE heads", "",
+                  "| head | input | draft vocab | training steps | tokens seen | wall min | held-out top-1, set (b): "
+                  "true features / 1 / 2 / 3 chained steps |", "|---|---|---|---|---|---|---|"]
+        for h in meta["heads"]:
+            top1 = " / ".join(f"{a:.3f}" for a in h["heldout_top1"]) if h.get("heldout_top1") else "–"
+            wall = fmt(h["wall_s"] / 60, 0) if h.get("wall_s") else "–"
+            lines.append(f"| `{h['path']}` | {h['input_mode']} | {h['draft_vocab'] or 'all'} | "
+                         f"{h.get('steps') or '–'} | {h.get('tokens_seen') or '–'} | {wall} | {top1} |")
         lines.append("")
     lines += [f"![{name}]({name})" for name in plot_names]
     return "\n".join(lines) + "\n"
@@ -901,6 +932,7 @@ def run_benchmark(args, argv):
             "temperatures": args.temperatures, "datasets": {d: sum(i.dataset == d for i in items) for d in datasets},
             "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
             "methods": [asdict(m) for m in methods], "setup": setup, "wall_s": time.perf_counter() - started,
+            "heads": [head_record(h) for h in dict.fromkeys(m.head for m in methods if m.kind == "eagle")],
         },
         "summary": groups,
         "runs": runs,

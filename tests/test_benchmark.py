@@ -44,6 +44,8 @@ def test_quick_writes_every_file_and_metric(quick):
     expected = {f"vanilla-{d}-eager" for d in ("fp32", "bf16")} | \
         {f"eagle-{t}-{d}-eager" for t in QUICK_TREES for d in ("fp32", "bf16")}
     assert set(methods) == expected
+    assert [h["input_mode"] for h in meta["heads"]] == ["shifted"]  # the quick head, recorded once
+    assert "## EAGLE heads" in out.with_suffix(".md").read_text()
     assert len(result["runs"]) == len(methods) * 2 * 2 * 2  # methods x 2 questions x 2 turns x 2 temperatures
     assert [(g["dataset"], g["temperature"]) for g in result["summary"]] == [("mtbench", 0.0), ("mtbench", 1.0)]
     for g in result["summary"]:
@@ -210,3 +212,12 @@ def test_tensor_mb_counts_every_quantized_weight():
     quantize_(model, quantize.handler_for("int8").config("cpu"))
     size = benchmark.tensor_mb(model) * 2 ** 20
     assert 2 * 64 * 64 <= size <= 2 * (64 * 64 + 64 * 8)  # int8 rows plus a scale per row, both weights
+
+
+def test_head_record_reads_the_training_budget():
+    """The shipped head's budget and held-out accuracy come from its training_record.json."""
+    record = json.loads((generate.DEFAULT_HEAD / "training_record.json").read_text())
+    row = benchmark.head_record(str(generate.DEFAULT_HEAD))
+    assert row["input_mode"] == "shifted" and row["draft_vocab"] == 16384
+    assert row["steps"] == (record.get("warm_start") or record)["total_steps" if "warm_start" in record else "steps"]
+    assert row["tokens_seen"] > 0 and row["wall_s"] > 0 and len(row["heldout_top1"]) == 4
