@@ -335,9 +335,9 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
         frontier_slots[torch.arange(K, device=device), own] = True
         mask = prefix[None, :].repeat(K, 1)
         mask[:, base + torch.arange(n_slots, device=device)] = frontier_slots
-        own_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]  # frontier parents'
+        parent_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]
         hidden, child_logp, child_tokens = draft_step(
-            target, head, head.pair_tokens(tokens[frontier], own_tokens).view(1, -1), frontier_hidden, base + own,
+            target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1), frontier_hidden, base + own,
             (base + depth - 1).expand(K), mask, K)
         child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
         start = tokens.numel()
