@@ -507,7 +507,9 @@ def head_record(head_dir: str) -> dict:
     """What a head is and its training budget, from its config.json and training_record.json."""
     head_dir = Path(head_dir)
     config = json.loads((head_dir / "config.json").read_text())
-    row = {"path": str(head_dir), "input_mode": config.get("eagle_input_mode", "shifted"),
+    shown = head_dir.resolve()
+    shown = shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown
+    row = {"path": str(shown), "input_mode": config.get("eagle_input_mode", "shifted"),
            "draft_vocab": (len(json.loads((head_dir / "draft_vocab.json").read_text()))
                            if (head_dir / "draft_vocab.json").is_file() else None)}
     record_path = head_dir / "training_record.json"
