@@ -503,15 +503,13 @@ def default_out(info: dict, quick: bool) -> Path:
     return out
 
 
-def head_record(head_dir: str) -> dict:
-    """What a head is and its training budget, from its config.json and training_record.json."""
+def head_record(head_dir: str, head: EagleHead) -> dict:
+    """What a (loaded) head is, and its training budget from the training_record.json beside it."""
     head_dir = Path(head_dir)
-    config = json.loads((head_dir / "config.json").read_text())
     shown = head_dir.resolve()
     shown = shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown
-    row = {"path": str(shown), "input_mode": config.get("eagle_input_mode", "shifted"),
-           "draft_vocab": (len(json.loads((head_dir / "draft_vocab.json").read_text()))
-                           if (head_dir / "draft_vocab.json").is_file() else None)}
+    row = {"path": str(shown), "input_mode": head.input_mode,
+           "draft_vocab": None if head.draft_vocab is None else head.draft_vocab.numel()}
     record_path = head_dir / "training_record.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())
@@ -934,7 +932,7 @@ def run_benchmark(args, argv):
             "temperatures": args.temperatures, "datasets": {d: sum(i.dataset == d for i in items) for d in datasets},
             "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
             "methods": [asdict(m) for m in methods], "setup": setup, "wall_s": time.perf_counter() - started,
-            "heads": [head_record(h) for h in dict.fromkeys(m.head for m in methods if m.kind == "eagle")],
+            "heads": [head_record(d, head) for d, head in {d: h for (d, _), h in heads.items()}.items()],
         },
         "summary": groups,
         "runs": runs,
