@@ -96,21 +96,24 @@ def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tenso
 def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
                input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int):
     """Head forward on draft nodes (tokens [1, m] paired with their parents' features [1, m, dim]).
-    Returns the predicted features [1, m, dim] and the top-k draft log-probs and tokens [1, m, k]."""
+    Returns the predicted features [1, m, dim], the draft logits [1, m, draft vocab] and the top-k
+    draft log-probs and tokens [1, m, k]."""
     hidden = head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos)
-    top = head.draft_logits(hidden).float().log_softmax(-1).topk(k, dim=-1)
-    return hidden, top.values, head.token_ids(top.indices)
+    logits = head.draft_logits(hidden)
+    top = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return hidden, logits, top.values, head.token_ids(top.indices)
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
                 input_pos: Tensor, last: Tensor, k: int):
     """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos; return the head's
-    prediction at index `last` [1, 1, dim] and its top-k draft log-probs/tokens [1, 1, k]."""
+    prediction at index `last` [1, 1, dim], its draft logits and its top-k draft log-probs/tokens [1, 1, k]."""
     mask = causal_mask(input_pos, head.max_seq_len)
     hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
     hidden = hidden.index_select(1, last)
-    top = head.draft_logits(hidden).float().log_softmax(-1).topk(k, dim=-1)
-    return hidden, top.values, head.token_ids(top.indices)
+    logits = head.draft_logits(hidden)
+    top = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return hidden, logits, top.values, head.token_ids(top.indices)
 
 
 head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
@@ -256,22 +259,30 @@ class Session:
         nxt = head.pair_tokens(self.tokens[self.head_len + 1:], self.tokens[self.head_len:self.target_len])
         nxt = torch.tensor(nxt, device=device).view(1, -1)
         last = torch.tensor([pos.numel() - 1], device=device)
-        root_hidden, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None], pos, last, k)
+        root_hidden, root_logits, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None],
+                                                                      pos, last, k)
         stats.head_forwards += 1
         self.head_len = self.target_len
         pad = tree.max_depth + 1  # the per-cycle head update always has this static length
+        sample_drafts = not sampling.greedy and tree.is_chain
+        draft_probs = None
         while True:
             base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
-            draft = draft_dynamic_tree if isinstance(tree, DynamicTree) else draft_static_tree
-            node_tokens, parents, depths, tree_mask = draft(model, head, tree, token, root_hidden,
-                                                            top_logp, top_tokens, base)
+            if sample_drafts:
+                node_tokens, draft_probs = draft_sampled_chain(model, head, tree, token, root_hidden, root_logits,
+                                                               base, sampling)
+                parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
+            else:
+                draft = draft_dynamic_tree if isinstance(tree, DynamicTree) else draft_static_tree
+                node_tokens, parents, depths, tree_mask = draft(model, head, tree, token, root_hidden,
+                                                                top_logp, top_tokens, base)
             stats.head_forwards += tree.max_depth - 1
             logits, features = verify(model, node_tokens, base, depths, tree_mask)
             stats.target_forwards += 1
             if sampling.greedy:
                 path, bonus = accept_greedy(node_tokens, logits[0], parents, depths, tree_mask)
             else:
-                path, bonus = accept_sampling(node_tokens, logits[0], parents, sampling)
+                path, bonus = accept_sampling(node_tokens, logits[0], parents, sampling, draft_probs)
             stats.accept_lengths.append(len(path) - 1)
             new = node_tokens[path[1:]].tolist() + [bonus]
             yield new
@@ -285,7 +296,7 @@ class Session:
             self.features[self.target_len: self.target_len + pad] = feats
             paired = head.pair_tokens(new, [token] + new[:-1])
             nxt = torch.tensor(paired + [0] * (pad - len(paired)), device=device).view(1, -1)
-            root_hidden, top_logp, top_tokens = head_extend(
+            root_hidden, root_logits, top_logp, top_tokens = head_extend(
                 model, head, nxt, feats[None], dst, torch.tensor([n_acc - 1], device=device), k)
             stats.head_forwards += 1
             self.tokens += new
@@ -308,11 +319,38 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, to
         if depth == tree.max_depth:
             break
         slots = base + torch.arange(first - 1, end - 1, device=device)
-        parent_hidden, _, parent_top = draft_step(
+        parent_hidden, _, _, parent_top = draft_step(
             target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
             parent_hidden[:, parent_in_level], slots,
             (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], tree.max_rank + 1)
     return node_tokens, tree.parents, tree.depths, tree.tree_mask
+
+
+def draft_sampled_chain(target, head, tree: Tree, root_token: int, root_hidden, root_logits, base,
+                        sampling: Sampling):
+    """Temperature > 0 on a chain: each draft token is drawn from the head's distribution q (its logits
+    through the same temperature / top-k / top-p as the target's) instead of being its argmax. The
+    verifier accepts a drawn token with probability min(1, p/q), i.e. sum_x min(p(x), q(x)) on average,
+    where an argmax draft is accepted with probability p(argmax q) only. Returns the node tokens and
+    q per node [n, vocab] (row i: the law node i's child was drawn from; the last row is unused)."""
+    device, n = base.device, tree.num_nodes
+    vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
+    draft_probs = torch.zeros(n, target.config.vocab_size, device=device)
+    node_tokens = torch.empty(n, dtype=torch.long, device=device)
+    node_tokens[0] = root_token
+    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head.max_seq_len)
+    hidden, logits = root_hidden, root_logits
+    for node in range(1, n):
+        q = logits_to_probs(logits[0, 0], sampling)
+        draft_probs[node - 1, vocab_ids] = q
+        node_tokens[node] = vocab_ids[torch.multinomial(q, 1)[0]]
+        if node == n - 1:
+            break
+        hidden, logits, _, _ = draft_step(
+            target, head, head.pair_tokens(node_tokens[node:node + 1], node_tokens[node - 1:node]).view(1, -1),
+            hidden, base + torch.arange(node - 1, node, device=device), (base + node - 1).expand(1),
+            head_mask[node - 1:node], tree.max_rank + 1)
+    return node_tokens, draft_probs
 
 
 def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base):
@@ -336,7 +374,7 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
         mask = prefix[None, :].repeat(K, 1)
         mask[:, base + torch.arange(n_slots, device=device)] = frontier_slots
         parent_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]
-        hidden, child_logp, child_tokens = draft_step(
+        hidden, _, child_logp, child_tokens = draft_step(
             target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1), frontier_hidden, base + own,
             (base + depth - 1).expand(K), mask, K)
         child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
@@ -379,17 +417,20 @@ def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: 
     return path, int(choice[deepest])
 
 
-def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampling: Sampling):
-    """Lossless multi-round verification (EAGLE paper, Algorithm 1) for deterministic drafts.
+def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampling: Sampling,
+                    draft_probs: Optional[Tensor] = None):
+    """Lossless multi-round verification (EAGLE paper, Algorithm 1).
 
-    Children are the draft's top-ranked tokens, i.e. drawn from a one-hot proposal q = delta(x_j).
-    Trying siblings in turn: accept x_j with probability p(x_j) / q(x_j) = p(x_j); on rejection the
-    residual norm(max(0, p - q)) is p with x_j zeroed and renormalised. If every child is rejected,
-    the bonus token is sampled from the final residual. By the speculative-sampling argument each
-    round leaves the emitted token distributed exactly as p, so every committed token follows the
+    A node's children were proposed from a law q: by default they are the draft's top-ranked tokens,
+    i.e. drawn from one-hot q = delta(x_j); on a sampled chain (one child per node) q = draft_probs[node].
+    Trying children in turn: accept x_j with probability min(1, p(x_j) / q(x_j)); on rejection p becomes
+    the residual norm(max(0, p - q)) (for one-hot q: p with x_j zeroed and renormalised). If every child
+    is rejected, the bonus token is sampled from the final residual. By the speculative-sampling argument
+    each round leaves the emitted token distributed exactly as p, so every committed token follows the
     target distribution p (temperature/top-k/top-p applied as in vanilla sampling).
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
+    draft_probs = None if draft_probs is None else draft_probs.cpu()
     tokens = node_tokens.tolist()
     children = [[] for _ in tokens]
     for child, parent in enumerate(parents.tolist()[1:], 1):
@@ -399,12 +440,16 @@ def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampli
         p = probs[node]
         for child in children[node]:
             x = tokens[child]
-            if torch.rand(()) < p[x]:
+            q = None if draft_probs is None else draft_probs[node]
+            if torch.rand(()) * (1.0 if q is None else q[x]) < p[x]:
                 path.append(child)
                 node = child
                 break
-            p = p.clone()
-            p[x] = 0.0
+            if q is None:
+                p = p.clone()
+                p[x] = 0.0
+            else:
+                p = (p - q).clamp_min(0.0)
             p = p / p.sum()
         else:
             return path, int(torch.multinomial(p, 1))

@@ -307,20 +307,21 @@ class VerifierLog:
         self.verifier = verifier
         self.counts = collections.Counter()
 
-    def __call__(self, node_tokens, logits, parents, sampling):
-        path, bonus = self.verifier(node_tokens, logits, parents, sampling)
+    def __call__(self, node_tokens, logits, parents, sampling, draft_probs=None):
+        path, bonus = self.verifier(node_tokens, logits, parents, sampling, draft_probs)
         parent_of = parents.tolist()
         first_child = {}
         for child in range(1, len(parent_of)):
             first_child.setdefault(parent_of[child], child)  # verifiers try siblings in node order
         self.counts["cycles"] += 1
+        self.counts["sampled_drafts"] += draft_probs is not None
         self.counts["accepted"] += len(path) > 1
         self.counts["sibling_rejected"] += any(c != first_child[parent_of[c]] for c in path[1:])
         self.counts["children_rejected"] += path[-1] in first_child  # bonus from the residual
         return path, bonus
 
 
-def accept_sampling_without_residual(node_tokens, logits, parents, sampling):
+def accept_sampling_without_residual(node_tokens, logits, parents, sampling, draft_probs=None):
     """A broken verifier: like generate.accept_sampling, but a rejection never zeroes and renormalises p,
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
@@ -366,6 +367,7 @@ SAMPLING_CONFIGS = {
     "t0.7-topk3": ("[[0], [1], [2], [3], [0, 0], [0, 1], [1, 0]]", Sampling(0.7, top_k=3)),
     "topp0.8-dynamic": ("dynamic-3-2-6", Sampling(1.0, top_p=0.8)),
     "t0.8-topk6-topp0.9": ("[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]", Sampling(0.8, top_k=6, top_p=0.9)),
+    "t0.9-topp0.95-chain": ("chain-3", Sampling(0.9, top_p=0.95)),  # drafts drawn from the head's q
 }
 P_PASS, P_BROKEN = 1e-3, 1e-6  # significance: a correct verifier fails 0.1% of seeds; a broken one must give < 1e-6
 
@@ -437,8 +439,8 @@ def test_verifier_without_residual_is_caught():
 # configuration (temperature 0.8 with top-k and top-p together) draws 20,000 samples; the broken verifier
 # must fail that same test. Two more configurations (temperature 1; top-p with the dynamic tree) draw
 # 2,000 each to check the wiring of the other paths.
-E2E_SAMPLES = {"t0.8-topk6-topp0.9": 20_000, "t1": 2_000, "topp0.8-dynamic": 2_000}
-E2E_CONFIGS = list(E2E_SAMPLES)
+E2E_SAMPLES = {"t0.8-topk6-topp0.9": 20_000, "t1": 2_000, "topp0.8-dynamic": 2_000, "t0.9-topp0.95-chain": 6_000}
+E2E_CONFIGS = ["t0.8-topk6-topp0.9", "t1", "topp0.8-dynamic"]  # trees with siblings; the chain is tested below
 MAIN_E2E = "t0.8-topk6-topp0.9"
 E2E_VOCAB = 8
 E2E_PROMPT = [1, 5, 2]
@@ -489,6 +491,51 @@ def test_sampling_is_lossless(config, monkeypatch):
 def test_sampling_with_a_broken_verifier_fails(monkeypatch):
     p, _, _ = sampling_e2e(MAIN_E2E, accept_sampling_without_residual, monkeypatch)
     assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
+
+
+# --- sampled chains: the draft tokens are drawn from the head's distribution q, accepted with min(1, p/q)
+def accept_sampled_with_one_hot_residual(node_tokens, logits, parents, sampling, draft_probs=None):
+    """A broken verifier for sampled chains: it accepts a drawn token with probability min(1, p/q), but
+    after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
+    norm(max(0, p - q))."""
+    probs = generate.logits_to_probs(logits, sampling).cpu()
+    tokens, q = node_tokens.tolist(), draft_probs.cpu()
+    path = [0]
+    for node in range(1, len(tokens)):  # a chain: node i's parent is node i - 1
+        parent, x = node - 1, tokens[node]
+        if torch.rand(()) * q[parent, x] >= probs[parent, x]:
+            p = probs[parent].clone()
+            p[x] = 0.0
+            return path, int(torch.multinomial(p / p.sum(), 1))
+        path.append(node)
+    return path, int(torch.multinomial(probs[len(tokens) - 1], 1))
+
+
+SAMPLED_CHAIN = "t0.9-topp0.95-chain"
+
+
+def test_sampled_chain_is_lossless(monkeypatch):
+    p, counts, accepts = sampling_e2e(SAMPLED_CHAIN, generate.accept_sampling, monkeypatch)
+    assert p > P_PASS, f"G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
+    assert counts["sampled_drafts"] == counts["cycles"]  # at temperature > 0 a chain's drafts are drawn from q
+    assert counts["accepted"] > 0.5 * counts["cycles"]
+    assert sum(n for a, n in accepts.items() if a >= 2) > 0.1 * E2E_SAMPLES[SAMPLED_CHAIN]
+    assert counts["children_rejected"] > 0.1 * counts["cycles"]
+
+
+def test_sampled_chain_with_a_broken_residual_fails(monkeypatch):
+    p, counts, _ = sampling_e2e(SAMPLED_CHAIN, accept_sampled_with_one_hot_residual, monkeypatch)
+    assert counts["sampled_drafts"] == counts["cycles"]
+    assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
+
+
+def test_greedy_chain_drafts_are_not_sampled(monkeypatch):
+    """At temperature 0 nothing is drawn from q: the chain holds the head's argmax at each step."""
+    model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
+    calls = []
+    monkeypatch.setattr(generate, "draft_sampled_chain", lambda *a: calls.append(a))
+    out, _ = Session(model, 16, copycat_head(model), parse_tree("chain-3")).generate(E2E_PROMPT, 8, Sampling())
+    assert not calls and len(out) == 8
 
 
 # ---------------------------------------------------------------- compiled steps
