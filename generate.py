@@ -264,18 +264,16 @@ class Session:
         stats.head_forwards += 1
         self.head_len = self.target_len
         pad = tree.max_depth + 1  # the per-cycle head update always has this static length
-        sample_drafts = not sampling.greedy and tree.is_chain
-        draft_probs = None
         while True:
             base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
-            if sample_drafts:
-                node_tokens, draft_probs = draft_sampled_chain(model, head, tree, token, root_hidden, root_logits,
-                                                               base, sampling)
-                parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
+            if isinstance(tree, DynamicTree):
+                node_tokens, parents, depths, tree_mask = draft_dynamic_tree(model, head, tree, token, root_hidden,
+                                                                             top_logp, top_tokens, base)
+                draft_probs = None  # its nodes are the draft's best-scored tokens: one-hot proposals
             else:
-                draft = draft_dynamic_tree if isinstance(tree, DynamicTree) else draft_static_tree
-                node_tokens, parents, depths, tree_mask = draft(model, head, tree, token, root_hidden,
-                                                                top_logp, top_tokens, base)
+                node_tokens, draft_probs = draft_static_tree(model, head, tree, token, root_hidden, root_logits,
+                                                             top_tokens, base, None if sampling.greedy else sampling)
+                parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
             stats.head_forwards += tree.max_depth - 1
             logits, features = verify(model, node_tokens, base, depths, tree_mask)
             stats.target_forwards += 1
@@ -305,51 +303,42 @@ class Session:
             token = new[-1]
 
 
-def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, top_logp, top_tokens, base):
-    """Fill a fixed tree: a node of rank r is its parent's r-th most likely draft token.
-    One head forward per level, on all nodes of the level at once. Head scratch slot of node j:
-    base + j - 1 (the root's own pair was already fed); rotary position of depth d: base + d - 1."""
-    device = base.device
+def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, root_logits, top_tokens, base,
+                      sampling: Optional[Sampling] = None):
+    """Fill a fixed tree, one head forward per level on all nodes of the level at once. Greedy: a node
+    of rank r is its parent's r-th most likely draft token. With `sampling` (temperature > 0) the
+    children of a node are instead draws without replacement from the head's distribution q (its logits
+    through the same temperature / top-k / top-p as the target's), rank r = the r-th draw; a drawn token
+    is accepted with probability min(1, p/q), about sum_x min(p(x), q(x)), where the argmax is accepted
+    with probability p(argmax q) only. Returns the node tokens and, when sampling, q per node [n, vocab]
+    (row i: the law node i's children were drawn from) for accept_sampling, else None.
+    Head scratch slot of node j: base + j - 1 (the root's own pair was already fed); rotary position
+    of depth d: base + d - 1."""
+    device, k = base.device, tree.max_rank + 1
     node_tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)
     node_tokens[0] = root_token
+    draft_probs, vocab_ids = None, None
+    if sampling is not None:
+        draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
+        vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
     head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head.max_seq_len)
-    parent_hidden, parent_top = root_hidden, top_tokens
+    parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
-        node_tokens[first:end] = parent_top[0, parent_in_level, tree.ranks[first:end]]
+        if sampling is None:
+            node_tokens[first:end] = parent_top[0, parent_in_level, tree.ranks[first:end]]
+        else:  # k draws without replacement per parent (Gumbel top-k, in draw order)
+            q = logits_to_probs(parent_logits[0], sampling)  # [parents in level, draft vocab]
+            draws = (q.log() - torch.empty_like(q).exponential_().log()).topk(k, dim=-1).indices
+            draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
+            node_tokens[first:end] = vocab_ids[draws[parent_in_level, tree.ranks[first:end]]]
         if depth == tree.max_depth:
             break
         slots = base + torch.arange(first - 1, end - 1, device=device)
-        parent_hidden, _, _, parent_top = draft_step(
+        parent_hidden, parent_logits, _, parent_top = draft_step(
             target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
             parent_hidden[:, parent_in_level], slots,
-            (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], tree.max_rank + 1)
-    return node_tokens, tree.parents, tree.depths, tree.tree_mask
-
-
-def draft_sampled_chain(target, head, tree: Tree, root_token: int, root_hidden, root_logits, base,
-                        sampling: Sampling):
-    """Temperature > 0 on a chain: each draft token is drawn from the head's distribution q (its logits
-    through the same temperature / top-k / top-p as the target's) instead of being its argmax. The
-    verifier accepts a drawn token with probability min(1, p/q), i.e. sum_x min(p(x), q(x)) on average,
-    where an argmax draft is accepted with probability p(argmax q) only. Returns the node tokens and
-    q per node [n, vocab] (row i: the law node i's child was drawn from; the last row is unused)."""
-    device, n = base.device, tree.num_nodes
-    vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    draft_probs = torch.zeros(n, target.config.vocab_size, device=device)
-    node_tokens = torch.empty(n, dtype=torch.long, device=device)
-    node_tokens[0] = root_token
-    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head.max_seq_len)
-    hidden, logits = root_hidden, root_logits
-    for node in range(1, n):
-        q = logits_to_probs(logits[0, 0], sampling)
-        draft_probs[node - 1, vocab_ids] = q
-        node_tokens[node] = vocab_ids[torch.multinomial(q, 1)[0]]
-        if node == n - 1:
-            break
-        hidden, logits, _, _ = draft_step(
-            target, head, head.pair_tokens(node_tokens[node:node + 1], node_tokens[node - 1:node]).view(1, -1),
-            hidden, base + torch.arange(node - 1, node, device=device), (base + node - 1).expand(1),
-            head_mask[node - 1:node], tree.max_rank + 1)
+            (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], k)
+        parent_first = first
     return node_tokens, draft_probs
 
 
@@ -419,15 +408,18 @@ def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: 
 
 def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampling: Sampling,
                     draft_probs: Optional[Tensor] = None):
-    """Lossless multi-round verification (EAGLE paper, Algorithm 1).
+    """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
 
-    A node's children were proposed from a law q: by default they are the draft's top-ranked tokens,
-    i.e. drawn from one-hot q = delta(x_j); on a sampled chain (one child per node) q = draft_probs[node].
-    Trying children in turn: accept x_j with probability min(1, p(x_j) / q(x_j)); on rejection p becomes
-    the residual norm(max(0, p - q)) (for one-hot q: p with x_j zeroed and renormalised). If every child
-    is rejected, the bonus token is sampled from the final residual. By the speculative-sampling argument
-    each round leaves the emitted token distributed exactly as p, so every committed token follows the
-    target distribution p (temperature/top-k/top-p applied as in vanilla sampling).
+    Static trees at temperature > 0 draw a node's children without replacement from the head's q =
+    draft_probs[node]; the dynamic tree's nodes (draft_probs None) are the draft's best tokens, i.e.
+    drawn from one-hot q = delta(x). Round j tries the j-th child x_j with proposal q_j (q with the
+    earlier children removed, renormalised) against the current target r (at first r = p): accept x_j
+    with probability min(1, r(x_j) / q_j(x_j)); on rejection r becomes norm(max(0, r - q_j)) (one-hot:
+    r with x_j zeroed, renormalised). If every child is rejected, the bonus token is drawn from the
+    final r. Each round is a speculative-sampling step for target r, whose output law is exactly r for
+    any proposal, so every committed token follows the target distribution p (temperature / top-k /
+    top-p applied as in vanilla sampling). A child whose q_j is 0 (q was cut short by top-k / top-p and
+    is used up) proposes nothing and is skipped.
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
@@ -437,22 +429,29 @@ def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampli
         children[parent].append(child)
     path, node = [0], 0
     while True:
-        p = probs[node]
+        r = probs[node]
+        q = None if draft_probs is None else draft_probs[node]
         for child in children[node]:
             x = tokens[child]
-            q = None if draft_probs is None else draft_probs[node]
-            if torch.rand(()) * (1.0 if q is None else q[x]) < p[x]:
-                path.append(child)
-                node = child
-                break
             if q is None:
-                p = p.clone()
-                p[x] = 0.0
+                if torch.rand(()) < r[x]:
+                    break
+                r = r.clone()
+                r[x] = 0.0
             else:
-                p = (p - q).clamp_min(0.0)
-            p = p / p.sum()
+                if q[x] <= 0.0:
+                    continue
+                if torch.rand(()) * q[x] < r[x]:
+                    break
+                r = (r - q).clamp_min(0.0)
+                q = q.clone()
+                q[x] = 0.0
+                q = q / q.sum().clamp_min(1e-30)
+            r = r / r.sum()
         else:
-            return path, int(torch.multinomial(p, 1))
+            return path, int(torch.multinomial(r, 1))
+        path.append(child)
+        node = child
 
 
 # ---------------------------------------------------------------- command line

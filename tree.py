@@ -93,11 +93,6 @@ class Tree:
         """Head cache slots past the prefix that one draft writes: one per non-root node."""
         return self.num_nodes - 1
 
-    @property
-    def is_chain(self) -> bool:
-        """One child per node: at temperature > 0 its drafts are sampled (generate.draft_sampled_chain)."""
-        return self.max_rank == 0
-
     def to(self, device):
         for name in ("tree_mask", "depths", "parents", "ranks", "retrieve_indices"):
             setattr(self, name, getattr(self, name).to(device))
@@ -173,8 +168,6 @@ class DynamicTree:
     def draft_slots(self) -> int:
         """Head cache slots past the prefix that one draft writes: top_k per expanded level."""
         return (self.depth - 1) * self.top_k
-
-    is_chain = False
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):

@@ -480,6 +480,8 @@ def sampling_e2e(config, verifier, monkeypatch, seed=0):
 def test_sampling_is_lossless(config, monkeypatch):
     p, counts, accepts = sampling_e2e(config, generate.accept_sampling, monkeypatch)
     assert p > P_PASS, f"{config}: G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
+    # static trees draw their drafts from the head's q; the dynamic tree keeps its best-scored tokens
+    assert counts["sampled_drafts"] == (0 if "dynamic" in config else counts["cycles"])
     # the interesting paths were taken: multi-token acceptance, siblings rejected before an acceptance,
     # and all children rejected (bonus from the residual)
     assert counts["accepted"] > 0.5 * counts["cycles"]
@@ -493,7 +495,7 @@ def test_sampling_with_a_broken_verifier_fails(monkeypatch):
     assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
 
 
-# --- sampled chains: the draft tokens are drawn from the head's distribution q, accepted with min(1, p/q)
+# --- a sampled chain: the draft tokens are drawn from the head's distribution q, accepted with min(1, p/q)
 def accept_sampled_with_one_hot_residual(node_tokens, logits, parents, sampling, draft_probs=None):
     """A broken verifier for sampled chains: it accepts a drawn token with probability min(1, p/q), but
     after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
@@ -529,13 +531,18 @@ def test_sampled_chain_with_a_broken_residual_fails(monkeypatch):
     assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
 
 
-def test_greedy_chain_drafts_are_not_sampled(monkeypatch):
-    """At temperature 0 nothing is drawn from q: the chain holds the head's argmax at each step."""
+def test_greedy_drafts_are_not_sampled(monkeypatch):
+    """At temperature 0 nothing is drawn from q: a static tree holds the head's top-ranked tokens."""
     model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
-    calls = []
-    monkeypatch.setattr(generate, "draft_sampled_chain", lambda *a: calls.append(a))
+    seen, real = [], generate.draft_static_tree
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(generate, "draft_static_tree", spy)
     out, _ = Session(model, 16, copycat_head(model), parse_tree("chain-3")).generate(E2E_PROMPT, 8, Sampling())
-    assert not calls and len(out) == 8
+    assert seen and all(sampling is None for sampling in seen) and len(out) == 8
 
 
 # ---------------------------------------------------------------- compiled steps
