@@ -46,25 +46,47 @@ class Sampling:
         return self.temperature == 0.0
 
 
+TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
+
+
 def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
     """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
     logits = logits.float() / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > s.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    if s.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
+        probs = logits.softmax(-1)
+        top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
+        if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > s.top_p).all()):
+            top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
+        kept = (top.cumsum(-1) - top <= s.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
+        logits = logits.masked_fill(probs < top.gather(-1, kept - 1), float("-inf"))  # ties at the cut stay
     return logits.softmax(-1)
+
+
+def draw(probs: Tensor, k: int = 1) -> Tensor:
+    """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw
+    order [..., k]. Inverse-CDF sampling: one uniform number per draw, where torch.multinomial (and the
+    Gumbel trick) draw V exponentials per row, milliseconds on a CPU at V = 49152. Once a row's
+    non-zero entries are used up, its further draws are index V - 1 (with probability 0 left)."""
+    rows = probs.reshape(-1, probs.shape[-1]).double()
+    out = []
+    for j in range(k):
+        cdf = rows.cumsum(-1)
+        u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+        index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
+        out.append(index)
+        if j + 1 < k:
+            rows = rows.scatter(1, index, 0.0)
+    return torch.cat(out, -1).view(*probs.shape[:-1], k)
 
 
 def sample(logits: Tensor, s: Sampling) -> Tensor:
     """A token id per row of logits [..., vocab]."""
     if s.greedy:
         return logits.argmax(-1)
-    return torch.multinomial(logits_to_probs(logits, s).reshape(-1, logits.shape[-1]), 1).view(logits.shape[:-1])
+    return draw(logits_to_probs(logits, s))[..., 0]
 
 
 # ---------------------------------------------------------------- model steps (compiled with --compile)
@@ -143,6 +165,13 @@ class Stats:
     target_forwards: int = 0  # decode / verify forwards after the prefill
     head_forwards: int = 0
     accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
+    phase_s: dict = field(default_factory=dict)  # seconds spent per phase of the decode steps / EAGLE cycles
+    phase_n: dict = field(default_factory=dict)  # times each phase ran
+
+    def phase_ms(self) -> dict:
+        """Mean milliseconds per run of each phase (vanilla: decode, sample; EAGLE: draft, verify,
+        accept, commit = KV moves + the head's update forward, which also drafts the next root)."""
+        return {name: 1000 * t / self.phase_n[name] for name, t in self.phase_s.items()}
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,6 +211,16 @@ class Session:
         self.tokens: list = []
         self.target_len = 0
         self.head_len = 0
+        self.sync_phases = False  # CUDA: synchronize at phase boundaries so phase times are exact
+
+    def _phase(self, stats: Stats, name: str, since: float) -> float:
+        """Add the time since `since` to phase `name`; returns now."""
+        if self.sync_phases and self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        stats.phase_s[name] = stats.phase_s.get(name, 0.0) + now - since
+        stats.phase_n[name] = stats.phase_n.get(name, 0) + 1
+        return now
 
     def check_fits(self, prompt_len: int, max_new_tokens: int):
         if prompt_len == 0:
@@ -239,12 +278,15 @@ class Session:
     def _vanilla_steps(self, token: int, sampling: Sampling, stats: Stats):
         while True:
             yield [token]
+            clock = time.perf_counter()
             pos = torch.tensor([self.target_len], device=self.device)
             logits, _ = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos)
+            clock = self._phase(stats, "decode", clock)
             stats.target_forwards += 1
             self.tokens.append(token)
             self.target_len += 1
             token = int(sample(logits[0, -1], sampling))
+            self._phase(stats, "sample", clock)
 
     # ---------------------------------------------------------------- EAGLE
     def _eagle_cycles(self, token: int, sampling: Sampling, stats: Stats):
@@ -265,6 +307,7 @@ class Session:
         self.head_len = self.target_len
         pad = tree.max_depth + 1  # the per-cycle head update always has this static length
         while True:
+            clock = time.perf_counter()
             base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
             if isinstance(tree, DynamicTree):
                 node_tokens, parents, depths, tree_mask = draft_dynamic_tree(model, head, tree, token, root_hidden,
@@ -275,15 +318,19 @@ class Session:
                                                              top_tokens, base, None if sampling.greedy else sampling)
                 parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
             stats.head_forwards += tree.max_depth - 1
+            clock = self._phase(stats, "draft", clock)
             logits, features = verify(model, node_tokens, base, depths, tree_mask)
             stats.target_forwards += 1
+            clock = self._phase(stats, "verify", clock)
             if sampling.greedy:
                 path, bonus = accept_greedy(node_tokens, logits[0], parents, depths, tree_mask)
             else:
                 path, bonus = accept_sampling(node_tokens, logits[0], parents, sampling, draft_probs)
             stats.accept_lengths.append(len(path) - 1)
             new = node_tokens[path[1:]].tolist() + [bonus]
+            self._phase(stats, "accept", clock)
             yield new
+            clock = time.perf_counter()  # the caller's time (streaming, stop checks) is not a phase
             # commit: accepted nodes' KV to contiguous slots; head re-reads true features
             n_acc = len(path)
             src = torch.tensor(path + list(range(n_acc, pad)), device=device) + base
@@ -301,6 +348,7 @@ class Session:
             self.target_len += n_acc
             self.head_len = self.target_len
             token = new[-1]
+            self._phase(stats, "commit", clock)
 
 
 def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, root_logits, top_tokens, base,
@@ -326,9 +374,9 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
         if sampling is None:
             node_tokens[first:end] = parent_top[0, parent_in_level, tree.ranks[first:end]]
-        else:  # k draws without replacement per parent (Gumbel top-k, in draw order)
+        else:  # k draws without replacement per parent, in draw order
             q = logits_to_probs(parent_logits[0], sampling)  # [parents in level, draft vocab]
-            draws = (q.log() - torch.empty_like(q).exponential_().log()).topk(k, dim=-1).indices
+            draws = draw(q, k)
             draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
             node_tokens[first:end] = vocab_ids[draws[parent_in_level, tree.ranks[first:end]]]
         if depth == tree.max_depth:
@@ -449,7 +497,7 @@ def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampli
                 q = q / q.sum().clamp_min(1e-30)
             r = r / r.sum()
         else:
-            return path, int(torch.multinomial(r, 1))
+            return path, int(draw(r))
         path.append(child)
         node = child
 
@@ -496,6 +544,9 @@ def print_stats(stats: Stats, tree, label: str = ""):
         by_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth(tree.max_depth))
         line += (f"\n  tau {stats.tau:.2f} tokens/forward, acceptance by depth [{by_depth}], "
                  f"{stats.target_forwards} target + {stats.head_forwards} head forwards")
+    if stats.phase_s:
+        per = ", ".join(f"{name} {ms:.1f}" for name, ms in stats.phase_ms().items())
+        line += f"\n  ms per {'cycle' if tree is not None else 'step'}: {per}"
     print(line, file=sys.stderr)
 
 

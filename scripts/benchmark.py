@@ -316,6 +316,7 @@ class OurRunner:
             # tokens the decode / verify forwards committed after the prefill's first token
             "committed": sum(accept) + len(accept) if eagle else stats.target_forwards,
             "tau": stats.tau if eagle else (1.0 if stats.target_forwards else None),
+            "phase_s": stats.phase_s, "phase_n": stats.phase_n,
         }
 
 
@@ -430,6 +431,16 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
     return groups
 
 
+def phase_ms(rs: list) -> Optional[dict]:
+    """Mean ms per decode step / EAGLE cycle phase over all runs (None for peers, which have no phases)."""
+    seconds, counts = {}, {}
+    for r in rs:
+        for name, t in (r.get("phase_s") or {}).items():
+            seconds[name] = seconds.get(name, 0.0) + t
+            counts[name] = counts.get(name, 0) + r["phase_n"][name]
+    return {name: 1000 * t / counts[name] for name, t in seconds.items()} or None
+
+
 def method_summary(m: Method, rs: list) -> dict:
     tokens = sum(r["new_tokens"] for r in rs)
     time_s = sum(r["time_s"] for r in rs)
@@ -443,6 +454,7 @@ def method_summary(m: Method, rs: list) -> dict:
                                     default=None),
         "target_forwards": None, "head_forwards": None, "tau": None, "mean_accept_length": None,
         "acceptance_by_depth": None, "n_alpha": None, "outputs_match_vanilla": None,
+        "phase_ms": phase_ms(rs),
     }
     if any("peak_cuda_mb" in r for r in rs):
         out["peak_cuda_mb"] = max(r.get("peak_cuda_mb", 0.0) for r in rs)
@@ -571,6 +583,15 @@ def markdown(result: dict, plot_names: list) -> str:
                       "|---|" + "---|" * width]
             lines += [f"| {name} | " + " | ".join([fmt(a) for a in al] + ["–"] * (width - len(al))) + " |"
                       for name, al in alphas.items()]
+        phases = {name: s["phase_ms"] for name, s in g["methods"].items() if s.get("phase_ms")}
+        if phases:
+            cols = list(dict.fromkeys(p for ms in phases.values() for p in ms))
+            lines += ["", "Time per vanilla decode step / EAGLE cycle by phase, ms (mean over all runs"
+                      f"{'; CUDA: unsynchronized launch times' if meta['machine']['device'].startswith('cuda') else ''})."
+                      " commit = KV moves + the head's update forward, which also drafts the next root", "",
+                      "| method | " + " | ".join(cols) + " | sum |", "|---|" + "---|" * (len(cols) + 1)]
+            lines += [f"| {name} | " + " | ".join(fmt(ms.get(c), 1) for c in cols) + f" | {fmt(sum(ms.values()), 1)} |"
+                      for name, ms in phases.items()]
         if len(g["categories"]) > 1:
             names = list(g["methods"])
             lines += ["", "Median speedup by category", "", "| category | " + " | ".join(names) + " |",

@@ -46,6 +46,7 @@ def test_quick_writes_every_file_and_metric(quick):
     assert set(methods) == expected
     assert [h["input_mode"] for h in meta["heads"]] == ["shifted"]  # the quick head, recorded once
     assert "## EAGLE heads" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".md").read_text().count("| method | decode | sample | draft | verify | accept | commit |") == 2
     assert len(result["runs"]) == len(methods) * 2 * 2 * 2  # methods x 2 questions x 2 turns x 2 temperatures
     assert [(g["dataset"], g["temperature"]) for g in result["summary"]] == [("mtbench", 0.0), ("mtbench", 1.0)]
     for g in result["summary"]:
@@ -58,6 +59,8 @@ def test_quick_writes_every_file_and_metric(quick):
                        s["head_forwards"], *s["tokens_per_s"].values(), *s["speedup"].values()]
             assert all(is_finite(x) for x in numbers), (name, s)
             assert s["runs"] == 4 and s["new_tokens"] == 4 * 16
+            phases = {"eagle": ["draft", "verify", "accept", "commit"], "vanilla": ["decode", "sample"]}[m["kind"]]
+            assert list(s["phase_ms"]) == phases and all(is_finite(t) and t > 0 for t in s["phase_ms"].values())
             if m["kind"] == "eagle":
                 assert (m["num_nodes"], m["max_depth"]) == QUICK_TREES[m["tree"]]
                 assert len(s["acceptance_by_depth"]) == m["max_depth"]

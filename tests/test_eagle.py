@@ -146,6 +146,10 @@ def check_stats(stats, out, max_new_tokens, tree):
     committed = 1 + sum(a + 1 for a in accepts)
     assert committed >= len(out) and (not accepts or committed - (accepts[-1] + 1) < len(out))
     assert stats.tau == (sum(accepts) + len(accepts)) / max(1, len(accepts))
+    # phase times: every cycle drafted, verified and accepted; all but the last (cut short) committed
+    n = stats.phase_n
+    assert n["draft"] == n["verify"] == n["accept"] == len(accepts) and n.get("commit", 0) == len(accepts) - 1
+    assert set(stats.phase_ms()) == set(n) and min(stats.phase_ms().values()) >= 0
 
 
 # ---------------------------------------------------------------- greedy on tiny targets
@@ -427,6 +431,39 @@ def test_verifier_emits_target_distribution(config):
     p, counts = verifier_pvalue(generate.accept_sampling, sampling)
     assert p > P_PASS, f"{config}: G-test p = {p:.2e}, {dict(counts)}"
     assert min(counts["accepted"], counts["sibling_rejected"], counts["children_rejected"]) > 0.3 * UNIT_DRAWS
+
+
+@pytest.mark.parametrize("candidates", [4, 1024])  # 4: most rows need the full sort
+def test_top_p_keeps_the_nucleus(candidates, monkeypatch):
+    """logits_to_probs keeps token x iff the tokens more probable than x hold at most top_p of the mass
+    (so ties at the cut stay), whichever path (top candidates or full sort) finds the cut."""
+    monkeypatch.setattr(generate, "TOP_P_CANDIDATES", candidates)
+    torch.manual_seed(0)
+    logits = torch.randn(40, 50) * torch.linspace(0.3, 6, 40)[:, None]
+    logits[0, :4] = logits[0].max() + 1  # a four-way tie at the top: a cut inside it keeps all four
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        kept = generate.logits_to_probs(logits, Sampling(1.0, top_p=top_p)) > 0
+        p = logits.double().softmax(-1)
+        above = (p[:, None, :] * (p[:, None, :] > p[:, :, None])).sum(-1)  # [row, x]: mass above p(x)
+        clear = (above - top_p).abs() > 1e-5  # away from rounding at the cut
+        assert torch.equal(kept[clear], (above <= top_p)[clear]), top_p
+    assert kept[0, :4].all()
+
+
+def test_draw_is_sampling_without_replacement():
+    """generate.draw (inverse-CDF) gives ordered pairs with the sequential without-replacement law
+    p(a) p(b) / (1 - p(a)), on unnormalised rows; draws with replacement fail the same test."""
+    probs = 3 * torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.0, 0.6, 0.3]])
+    torch.manual_seed(0)
+    draws = generate.draw(probs.expand(UNIT_DRAWS, 2, 4), 2)  # [draws, rows, k]
+    with_replacement = torch.multinomial(probs.repeat(UNIT_DRAWS, 1), 2, replacement=True).view(UNIT_DRAWS, 2, 2)
+    for row in range(2):
+        p = (probs[row] / probs[row].sum()).double().tolist()
+        law = {(a, b): p[a] * p[b] / (1 - p[a]) for a in range(4) for b in range(4) if a != b}
+        assert g_test(collections.Counter(map(tuple, draws[:, row].tolist())), law) > P_PASS
+        assert g_test(collections.Counter(map(tuple, with_replacement[:, row].tolist())), law) < P_BROKEN
+    used_up = generate.draw(torch.tensor([0.0, 0.7, 0.3, 0.0]), 4)  # two non-zero entries, four draws
+    assert sorted(used_up[:2].tolist()) == [1, 2] and used_up[2:].tolist() == [3, 3]
 
 
 def test_verifier_without_residual_is_caught():
