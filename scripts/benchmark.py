@@ -4,6 +4,7 @@
     python scripts/benchmark.py --methods 'vanilla-*' 'eagle-*-compiled' --temperatures 0 --limit 20
     python scripts/benchmark.py --peers --methods 'vanilla-bf16-*' 'hf*-bf16' 'eagle-paper-bf16-*'
     python scripts/benchmark.py --questions my.jsonl              # any MT-bench-format JSONL, by category
+    python scripts/benchmark.py --datasets mtbench --per_category 1  # one question of each of the 8 categories
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
 
 Methods are named configurations: `vanilla-{fp32,bf16,int8,int4}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
@@ -31,6 +32,7 @@ Writes <out>.json (metadata, per-run numbers, summary), <out>.md (tables), <out>
 latest.md beside them. Default <out>: results/<date>-<machine> (results/quick/... with --quick).
 """
 import argparse
+import collections
 import fnmatch
 import gzip
 import hashlib
@@ -192,6 +194,19 @@ def load_dataset(name: str) -> list:
             records = [json.loads(line) for line in f if line.strip()]
         return [Item(name, r["task_id"], "humaneval", [HUMANEVAL_REQUEST.format(prompt=r["prompt"])]) for r in records]
     raise generate.UsageError(f"unknown dataset {name!r}: mtbench, humaneval, or --questions FILE")
+
+
+def select_questions(items: list, limit: Optional[int], per_category: Optional[int]) -> list:
+    """The first `per_category` questions of each category (all when None), then the first `limit`."""
+    if per_category:
+        taken = collections.Counter()
+        kept = []
+        for item in items:
+            taken[item.category] += 1
+            if taken[item.category] <= per_category:
+                kept.append(item)
+        items = kept
+    return items[:limit]
 
 
 # ---------------------------------------------------------------- quick mode: a tiny model and head
@@ -718,6 +733,7 @@ def parse_args(argv=None):
     p.add_argument("--questions", type=Path, help="a JSONL in MT-bench format (question_id, category, turns)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--limit", type=int, help="first N questions of each dataset")
+    p.add_argument("--per_category", type=int, help="first N questions of each category (MT-bench: 8 categories)")
     p.add_argument("--max_new_tokens", type=int, help="default 256 (--quick: 16)")
     p.add_argument("--max_seq_len", type=int, help="cache length (default: what the prompts need)")
     p.add_argument("--baseline", help="method the speedups are relative to (default: the fastest vanilla)")
@@ -743,8 +759,8 @@ def parse_args(argv=None):
         raise generate.UsageError(f"--questions {args.questions} not found")
     if not args.datasets and not args.questions:
         raise generate.UsageError("no dataset: give --datasets mtbench humaneval and/or --questions FILE")
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        raise generate.UsageError("--max_new_tokens and --limit must be >= 1")
+    if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category)):
+        raise generate.UsageError("--max_new_tokens, --limit and --per_category must be >= 1")
     if any(t < 0 for t in args.temperatures):
         raise generate.UsageError("--temperatures must be >= 0 (0 = greedy)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -829,9 +845,9 @@ def run_benchmark(args, argv):
 
     items = []
     for name in args.datasets:
-        items += load_dataset(name)[: args.limit]
+        items += select_questions(load_dataset(name), args.limit, args.per_category)
     if args.questions:
-        items += read_questions(args.questions, args.questions.stem)[: args.limit]
+        items += select_questions(read_questions(args.questions, args.questions.stem), args.limit, args.per_category)
     if not items:
         raise generate.UsageError("the datasets hold no questions")
     datasets = list(dict.fromkeys(item.dataset for item in items))

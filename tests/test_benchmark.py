@@ -148,6 +148,17 @@ def test_speedups_are_per_prompt_ratios_over_the_fastest_vanilla(quick):
         assert g["methods"][g["baseline"]]["speedup"]["median"] == pytest.approx(1.0)
 
 
+def test_per_category_takes_the_first_questions_of_each_category():
+    questions = benchmark.load_dataset("mtbench")
+    picked = benchmark.select_questions(questions, None, 2)
+    categories = list(dict.fromkeys(q.category for q in questions))
+    assert len(categories) == 8 and len(picked) == 16
+    # in the dataset's order, each question whose category had fewer than two before it
+    assert picked == [q for i, q in enumerate(questions) if sum(p.category == q.category for p in questions[:i]) < 2]
+    assert benchmark.select_questions(questions, 3, None) == questions[:3]
+    assert benchmark.select_questions(questions, 5, 1) == picked[::2][:5]
+
+
 def test_n_alpha_and_acceptance_helpers():
     accept = [0, 1, 2, 5]
     assert benchmark.n_alpha(accept, 4) == [3 / 4, 2 / 3, 1 / 2, 1.0, 1.0]
