@@ -448,12 +448,12 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
 
 def phase_ms(rs: list) -> Optional[dict]:
     """Mean ms per decode step / EAGLE cycle phase over all runs (None for peers, which have no phases)."""
-    seconds, counts = {}, {}
+    pooled = generate.Stats()
     for r in rs:
         for name, t in (r.get("phase_s") or {}).items():
-            seconds[name] = seconds.get(name, 0.0) + t
-            counts[name] = counts.get(name, 0) + r["phase_n"][name]
-    return {name: 1000 * t / counts[name] for name, t in seconds.items()} or None
+            pooled.phase_s[name] = pooled.phase_s.get(name, 0.0) + t
+            pooled.phase_n[name] = pooled.phase_n.get(name, 0) + r["phase_n"][name]
+    return pooled.phase_ms() or None
 
 
 def method_summary(m: Method, rs: list) -> dict:
@@ -601,8 +601,9 @@ def markdown(result: dict, plot_names: list) -> str:
         phases = {name: s["phase_ms"] for name, s in g["methods"].items() if s.get("phase_ms")}
         if phases:
             cols = list(dict.fromkeys(p for ms in phases.values() for p in ms))
+            cuda = meta["machine"]["device"].startswith("cuda")
             lines += ["", "Time per vanilla decode step / EAGLE cycle by phase, ms (mean over all runs"
-                      f"{'; CUDA: unsynchronized launch times' if meta['machine']['device'].startswith('cuda') else ''})."
+                      f"{'; CUDA: host time, kernels counted where the host waits' if cuda else ''})."
                       " commit = KV moves + the head's update forward, which also drafts the next root", "",
                       "| method | " + " | ".join(cols) + " | sum |", "|---|" + "---|" * (len(cols) + 1)]
             lines += [f"| {name} | " + " | ".join(fmt(ms.get(c), 1) for c in cols) + f" | {fmt(sum(ms.values()), 1)} |"
