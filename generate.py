@@ -90,28 +90,32 @@ def sample(logits: Tensor, s: Sampling) -> Tensor:
 
 
 # ---------------------------------------------------------------- model steps (compiled with --compile)
-def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor):
+# Attention masks are [queries, slots] and attention reads cache slots 0..slots-1 only. On CPU the
+# steps get masks as long as the live prefix of the cache (its cost there grows with the slots read),
+# with that length marked dynamic, so one compiled graph serves every length; on CUDA they span the
+# whole cache, so every step keeps one static shape for CUDA graphs.
+def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor):
     """Logits at the last position [1, 1, V] and features at all positions [1, T, dim]."""
-    return model(tokens, input_pos, logits_at=slice(-1, None))
+    return model(tokens, input_pos, mask=mask, logits_at=slice(-1, None))
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor):
-    return model(token, input_pos)
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask: Tensor):
+    return model(token, input_pos, mask=mask)
 
 
-def tree_attention_mask(base: Tensor, tree_mask: Tensor, max_seq_len: int) -> Tensor:
-    """[n, max_seq_len]: every node sees cache slots < base and its ancestors at slots base + j."""
+def tree_attention_mask(base: Tensor, tree_mask: Tensor, slots: int) -> Tensor:
+    """[n, slots]: every node sees cache slots < base and its ancestors at slots base + j."""
     n = tree_mask.shape[0]
-    cols = torch.arange(max_seq_len, device=tree_mask.device)
+    cols = torch.arange(slots, device=tree_mask.device)
     rel = cols - base
     in_tree = (rel >= 0) & (rel < n)
     return (cols < base)[None, :] | (tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :])
 
 
-def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, tree_mask: Tensor):
-    """Target over all tree nodes at slots base.., rotary positions base + depth: logits, features."""
+def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, mask: Tensor):
+    """Target over all tree nodes at slots base.., rotary positions base + depth, under `mask`
+    (tree_attention_mask): logits, features."""
     input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
-    mask = tree_attention_mask(base, tree_mask, target.max_seq_len)
     return target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
 
 
@@ -127,10 +131,10 @@ def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_feat
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
-                input_pos: Tensor, last: Tensor, k: int):
-    """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos; return the head's
-    prediction at index `last` [1, 1, dim], its draft logits and its top-k draft log-probs/tokens [1, 1, k]."""
-    mask = causal_mask(input_pos, head.max_seq_len)
+                input_pos: Tensor, mask: Tensor, last: Tensor, k: int):
+    """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos (under the causal `mask`);
+    return the head's prediction at index `last` [1, 1, dim], its draft logits and its top-k draft
+    log-probs/tokens [1, 1, k]."""
     hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
     hidden = hidden.index_select(1, last)
     logits = head.draft_logits(hidden)
@@ -141,8 +145,16 @@ def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, featu
 head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
 
 
+def live(mask: Tensor, on: bool) -> Tensor:
+    """With `on` (CPU), mark the slot dimension of a live-prefix mask dynamic: one graph, any length."""
+    if on:
+        torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
+    return mask
+
+
 def compile_steps(device: str, prefill_too: bool):
-    """Compile the fixed-shape steps of a cycle; shapes never change, so nothing recompiles."""
+    """Compile the fixed-shape steps of a cycle; shapes never change (the slot count of a live mask is
+    dynamic), so nothing recompiles."""
     global decode_one_token, verify, draft_step, head_extend, prefill, head_prefill
     options = dict(fullgraph=True, dynamic=False)
     if device.startswith("cuda"):
@@ -200,9 +212,11 @@ class Session:
                  tree: Optional["Tree | DynamicTree"] = None):
         self.model, self.head, self.tree = model, head, tree
         self.max_seq_len = max_seq_len
-        scratch = 0 if head is None else tree.num_nodes + tree.max_depth + 1  # room for an unfinished cycle
+        # room for an unfinished cycle; one slot at least, so a live mask never spans the whole cache
+        scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
+        self.live = self.device.type == "cpu"  # attention reads only the live prefix of the caches
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             head.bind(model.output.weight)
@@ -219,6 +233,10 @@ class Session:
         stats.phase_s[name] = stats.phase_s.get(name, 0.0) + now - since
         stats.phase_n[name] = stats.phase_n.get(name, 0) + 1
         return now
+
+    def _slots(self, end: int, cache_len: int) -> int:
+        """How many cache slots attention reads when slot end - 1 is the last one in use."""
+        return end if self.live else cache_len
 
     def check_fits(self, prompt_len: int, max_new_tokens: int):
         if prompt_len == 0:
@@ -267,7 +285,8 @@ class Session:
     def _prefill(self, sampling: Sampling) -> int:
         new = torch.tensor(self.tokens[self.target_len:], device=self.device)
         input_pos = torch.arange(self.target_len, len(self.tokens), device=self.device)
-        logits, features = prefill(self.model, new.view(1, -1), input_pos)
+        mask = causal_mask(input_pos, self._slots(len(self.tokens), self.model.max_seq_len))
+        logits, features = prefill(self.model, new.view(1, -1), input_pos, mask)
         if self.head is not None:
             self.features[input_pos] = features[0]
         self.target_len = len(self.tokens)
@@ -278,7 +297,9 @@ class Session:
             yield [token]
             clock = time.perf_counter()
             pos = torch.tensor([self.target_len], device=self.device)
-            logits, _ = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos)
+            mask = causal_mask(pos, self._slots(self.target_len + 1, self.model.max_seq_len))
+            logits, _ = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos,
+                                         live(mask, self.live))
             clock = self._phase(stats, "decode", clock)
             stats.target_forwards += 1
             self.tokens.append(token)
@@ -299,8 +320,9 @@ class Session:
         nxt = head.pair_tokens(self.tokens[self.head_len + 1:], self.tokens[self.head_len:self.target_len])
         nxt = torch.tensor(nxt, device=device).view(1, -1)
         last = torch.tensor([pos.numel() - 1], device=device)
+        mask = causal_mask(pos, self._slots(self.target_len, head.max_seq_len))
         root_hidden, root_logits, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None],
-                                                                      pos, last, k)
+                                                                      pos, mask, last, k)
         stats.head_forwards += 1
         self.head_len = self.target_len
         pad = tree.max_depth + 1  # the per-cycle head update always has this static length
@@ -309,15 +331,18 @@ class Session:
             base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
             if isinstance(tree, DynamicTree):
                 node_tokens, parents, depths, tree_mask = draft_dynamic_tree(model, head, tree, token, root_hidden,
-                                                                             top_logp, top_tokens, base)
+                                                                             top_logp, top_tokens, base, self.live)
                 draft_probs = None  # its nodes are the draft's best-scored tokens: one-hot proposals
             else:
                 node_tokens, draft_probs = draft_static_tree(model, head, tree, token, root_hidden, root_logits,
-                                                             top_tokens, base, None if sampling.greedy else sampling)
+                                                             top_tokens, base, None if sampling.greedy else sampling,
+                                                             self.live)
                 parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
             stats.head_forwards += tree.max_depth - 1
             clock = self._phase(stats, "draft", clock)
-            logits, features = verify(model, node_tokens, base, depths, tree_mask)
+            slots = self._slots(self.target_len + len(node_tokens), model.max_seq_len)
+            mask = live(tree_attention_mask(base, tree_mask, slots), self.live)
+            logits, features = verify(model, node_tokens, base, depths, mask)
             stats.target_forwards += 1
             clock = self._phase(stats, "verify", clock)
             if sampling.greedy:
@@ -333,14 +358,16 @@ class Session:
             n_acc = len(path)
             src = torch.tensor(path + list(range(n_acc, pad)), device=device) + base
             dst = base + torch.arange(pad, device=device)
-            for cache in model.kv_caches():
-                cache.move(src, dst)
+            if path != list(range(n_acc)):  # else (always on a chain) every entry is in place already
+                for cache in model.kv_caches():
+                    cache.move(src, dst)
             feats = features[0].index_select(0, src - base)
             self.features[self.target_len: self.target_len + pad] = feats
             paired = head.pair_tokens(new, [token] + new[:-1])
             nxt = torch.tensor(paired + [0] * (pad - len(paired)), device=device).view(1, -1)
+            mask = live(causal_mask(dst, self._slots(self.target_len + pad, head.max_seq_len)), self.live)
             root_hidden, root_logits, top_logp, top_tokens = head_extend(
-                model, head, nxt, feats[None], dst, torch.tensor([n_acc - 1], device=device), k)
+                model, head, nxt, feats[None], dst, mask, torch.tensor([n_acc - 1], device=device), k)
             stats.head_forwards += 1
             self.tokens += new
             self.target_len += n_acc
@@ -350,7 +377,7 @@ class Session:
 
 
 def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, root_logits, top_tokens, base,
-                      sampling: Optional[Sampling] = None):
+                      sampling: Optional[Sampling] = None, live_slots: bool = False):
     """Fill a fixed tree, one head forward per level on all nodes of the level at once. Greedy: a node
     of rank r is its parent's r-th most likely draft token. With `sampling` (temperature > 0) the
     children of a node are instead draws without replacement from the head's distribution q (its logits
@@ -359,7 +386,7 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     with probability p(argmax q) only. Returns the node tokens and, when sampling, q per node [n, vocab]
     (row i: the law node i's children were drawn from) for accept_sampling, else None.
     Head scratch slot of node j: base + j - 1 (the root's own pair was already fed); rotary position
-    of depth d: base + d - 1."""
+    of depth d: base + d - 1. live_slots: attend to the live prefix of the head cache only (CPU)."""
     device, k = base.device, tree.max_rank + 1
     node_tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)
     node_tokens[0] = root_token
@@ -367,7 +394,8 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     if sampling is not None:
         draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
         vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head.max_seq_len)
+    slots = int(base) + tree.num_nodes - 1 if live_slots else head.max_seq_len
+    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], slots)
     parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
         if sampling is None:
@@ -383,12 +411,13 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
         parent_hidden, parent_logits, _, parent_top = draft_step(
             target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
             parent_hidden[:, parent_in_level], slots,
-            (base + depth - 1).expand(end - first), head_mask[first - 1:end - 1], k)
+            (base + depth - 1).expand(end - first), live(head_mask[first - 1:end - 1], live_slots), k)
         parent_first = first
     return node_tokens, draft_probs
 
 
-def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base):
+def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base,
+                       live_slots: bool = False):
     """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best
     total_tokens nodes. Frontier nodes of depth d use head scratch slots base + (d-1)*top_k + i."""
     device, K = base.device, tree.top_k
@@ -400,7 +429,7 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
     frontier_hidden = root_hidden.expand(1, K, -1)  # features their head inputs pair with
     n_slots = (tree.depth - 1) * K
     frontier_slots = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # scratch ancestors
-    prefix = torch.arange(head.max_seq_len, device=device) < base
+    prefix = torch.arange(int(base) + n_slots if live_slots else head.max_seq_len, device=device) < base
     root = torch.tensor([root_token], device=device)
     for depth in range(1, tree.depth):
         tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
@@ -411,7 +440,7 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
         parent_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]
         hidden, _, child_logp, child_tokens = draft_step(
             target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1), frontier_hidden, base + own,
-            (base + depth - 1).expand(K), mask, K)
+            (base + depth - 1).expand(K), live(mask, live_slots), K)
         child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
         start = tokens.numel()
         pool_tokens.append(child_tokens[0].flatten())

@@ -153,7 +153,8 @@ class Transformer(nn.Module):
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T].
 
-        mask: [T, max_seq_len] bool, True where a query may attend to a cache slot (default: causal).
+        mask: [T, S] bool, True where a query may attend to a cache slot; attention reads slots 0..S-1
+        only, S <= max_seq_len (default: causal over the whole cache).
         rope_pos: [T] rotary positions (default: input_pos); differs from the slot for tree nodes.
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
@@ -238,6 +239,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
             k, v = self.kv_cache.update(input_pos, k, v)
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers
         y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
                                            enable_gqa=self.n_head != self.n_local_heads)
         return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))

@@ -148,9 +148,9 @@ def test_generation_pairs_feature_with_next_token(monkeypatch, mode):
     seen = {"draft": [], "verify": []}
     real_prefill, real_draft, real_verify = generate.head_prefill, generate.draft_step, generate.verify
 
-    def spy_prefill(model, h, next_tokens, features, input_pos, last, k):
+    def spy_prefill(model, h, next_tokens, features, input_pos, *rest):
         seen["next"], seen["pos"] = next_tokens.clone(), input_pos.clone()
-        return real_prefill(model, h, next_tokens, features, input_pos, last, k)
+        return real_prefill(model, h, next_tokens, features, input_pos, *rest)
 
     def spy_draft(model, h, tokens, *rest):
         seen["draft"].append(tokens.clone())

@@ -65,6 +65,23 @@ def test_decoding_with_kv_cache_equals_full_forward(tiny_model):
 
 
 @torch.no_grad()
+def test_a_mask_over_the_live_slots_only_equals_the_whole_cache_mask(tiny_model):
+    """A mask of S columns makes attention read cache slots 0..S-1 only (generate.py's live prefix on CPU):
+    decoding with masks exactly as long as the filled prefix gives the whole-cache result; slots beyond S
+    hold garbage here, which a mask over the whole cache would have to hide."""
+    idx = tokens(12)
+    logits, _ = full_forward(tiny_model, idx)
+    fresh_caches(tiny_model)
+    for cache in tiny_model.kv_caches():
+        cache.k_cache.normal_()
+        cache.v_cache.normal_()
+    for t in range(idx.shape[1]):
+        pos = torch.tensor([t])
+        step_logits, _ = tiny_model(idx[:, t:t + 1], pos, mask=causal_mask(pos, t + 1))
+        torch.testing.assert_close(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_tree_mask_equals_causal_forward_over_each_path(tiny_model):
     prefix, max_seq_len = tokens(5), 32
     parents = [-1, 0, 0, 1, 1, 2, 3]
