@@ -5,9 +5,12 @@
     python quantize.py --mode int4 --device cuda        # the same, packed for CUDA (tinygemm)
     python generate.py --checkpoint .../model_int4.g32.pth --dtype bfloat16 --eagle
 
-One handler class per scheme; each wraps a torchao weight-only configuration (nothing hand-written):
+One handler class per scheme; each wraps a torchao weight-only configuration:
 - int8: `Int8WeightOnlyConfig` (one scale per output row) -> `Int8Tensor`: plain int8 rows, so one
-  file serves every device.
+  file serves every device. On CPU with bfloat16 activations (the default) its linears then multiply
+  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`): the one hand-written piece. torchao's int8 linear
+  converts the whole weight to the activation dtype at every call, which on this CPU made int8 the
+  slowest precision; the kernel costs about what int4's does for one row and less for several.
 - int4: asymmetric, one scale and zero point per `groupsize` inputs of a row, in the tinygemm layout,
   which differs per device: on CPU torchao 0.18's `PrototypeInt4WeightOnlyConfig` -> `Int4OpaqueTensor`
   (`aten._weight_int4pack_mm_for_cpu`); on CUDA `Int4WeightOnlyConfig(int4_packing_format=
@@ -21,8 +24,7 @@ head stay in float (on the default model an int4 LM head drops top-1 agreement f
 With tied embeddings a quantized LM head is a copy of the shared matrix, so the embedding lookup is
 untouched. An EAGLE head on an int4 target is quantized the same way when it is loaded (its linears and
 its rows of the LM head): on this CPU an int4 draft step costs about half a bf16 one, and bf16 costs
-several times more for a few rows at once. On an int8 target the head stays in float (torchao's int8
-linear is slower than bf16 on CPU for more than one row).
+several times more for a few rows at once. On an int8 target the head stays in float.
 
 File layout: {"quantization": {mode, groupsize, device ("cpu" / "cuda" / "any"), dtype, lm_head,
 torchao version}, "state_dict": the model's state dict}. `dequantized` turns any of these weights back
@@ -114,6 +116,33 @@ class Int4WeightOnly:
                 and weight.block_size[-1] == self.groupsize)
 
 
+class Int8CPULinear(nn.Linear):
+    """An nn.Linear holding torchao's Int8Tensor weight that multiplies through ATen's CPU int8 kernel.
+    The weight (and so the state dict and the saved file) is unchanged; the kernel reads its int8 rows
+    and its scales in the activation dtype, kept as non-persistent buffers."""
+
+    @classmethod
+    def convert(cls, linear: nn.Linear, dtype: torch.dtype):
+        linear.__class__ = cls
+        linear.register_buffer("int8_weight", linear.weight.qdata, persistent=False)
+        linear.register_buffer("int8_scales", linear.weight.scale.reshape(-1).to(dtype).contiguous(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.int8_weight, self.int8_scales)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+def use_cpu_int8_kernel(model: nn.Module):
+    """On CPU, route every bfloat16 int8 linear of `model` through Int8CPULinear (the kernel's fp32
+    path is slower than torchao's; elsewhere there is nothing to do)."""
+    for linear in model.modules():
+        if isinstance(linear, nn.Linear) and isinstance(linear.weight, Int8Tensor) \
+                and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.bfloat16 \
+                and not isinstance(linear, Int8CPULinear):
+            Int8CPULinear.convert(linear, torch.bfloat16)
+
+
 def handler_for(mode: str, groupsize: Optional[int] = None):
     if mode == "int8":
         if groupsize is not None:
@@ -148,6 +177,7 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
     model.quantization = {"mode": handler.mode, "groupsize": handler.groupsize,
                           "device": handler.packed_for(device_type), "dtype": str(dtype).removeprefix("torch."),
                           "lm_head": quantize_lm_head, "torchao": torchao.__version__}
+    use_cpu_int8_kernel(model)
     return model.quantization
 
 
@@ -230,7 +260,9 @@ def load_quantized(path: Path, device="cpu", dtype=None) -> Transformer:
         if not handler.is_quantized(model.get_submodule(name).weight):
             raise CheckpointError(f"{path}: {name}.weight is not {meta['mode']} with group size {meta['groupsize']} "
                                   "as its metadata says; quantize model.pth again")
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    use_cpu_int8_kernel(model)
+    return model
 
 
 def check_metadata(path: Path, meta: dict, device_type: str, dtype: Optional[torch.dtype]):

@@ -68,8 +68,8 @@ from tree import Tree, parse_tree  # noqa: E402
 
 STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
 EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
-# precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (int4 with its LM head,
-# g32), quantized in memory at load. An EAGLE head on an int4 target is int4 too, as in generate.py.
+# precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
+# with g32), quantized in memory at load: their fastest configurations here. An EAGLE head on an int4 target is int4 too, as in generate.py.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "int8": torch.bfloat16, "int4": torch.bfloat16}
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -772,7 +772,7 @@ def parse_args(argv=None):
 def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[precision])
     if precision in ("int8", "int4"):
-        quantize.quantize_model(model, quantize.handler_for(precision), quantize_lm_head=precision == "int4")
+        quantize.quantize_model(model, quantize.handler_for(precision), quantize_lm_head=True)
     return model
 
 

@@ -128,17 +128,16 @@ def test_save_then_load_is_bit_identical(quantized, held_out):
 EAGLE_LAYERS = 4  # of the default model's 30: greedy equality does not depend on depth
 
 
-@pytest.fixture(scope="module", params=[("int8", torch.float32), ("int4", torch.bfloat16)], ids=["int8", "int4-g32"])
+@pytest.fixture(scope="module", params=["int8", "int4"], ids=["int8", "int4-g32"])
 def shallow_quantized(request, default_checkpoint):
-    """The default model cut to its first EAGLE_LAYERS layers and quantized, the speed-wise cheapest way
-    on this CPU, where ~600 verify/draft steps per scheme must stay short: int8 in float32 with a float
-    LM head (torchao's int8 linear casts the whole weight per call, and small-batch bfloat16 matmuls are
-    slow here), int4 in bfloat16 with an int4 LM head (its kernel's fast path), so the draft also runs
-    through a quantized LM head."""
-    mode, dtype = request.param
-    model = Transformer.from_checkpoint(default_checkpoint, dtype=dtype)
+    """The default model cut to its first EAGLE_LAYERS layers and quantized as generate.py runs it fastest on
+    this CPU: bfloat16 activations and a quantized LM head (int8 through ATen's CPU int8 kernel, int4
+    through its int4 kernel), so the draft also runs through a quantized LM head."""
+    model = Transformer.from_checkpoint(default_checkpoint, dtype=torch.bfloat16)
     model.layers = model.layers[:EAGLE_LAYERS]
-    quantize.quantize_model(model, quantize.handler_for(mode), quantize_lm_head=mode == "int4")
+    quantize.quantize_model(model, quantize.handler_for(request.param), quantize_lm_head=True)
+    if request.param == "int8":
+        assert isinstance(model.output, quantize.Int8CPULinear)
     return model
 
 
@@ -253,3 +252,20 @@ def test_dequantized_weight_computes_what_the_quantized_linear_does(mode):
     torch.testing.assert_close(F.linear(x, weight), linear(x), rtol=0.02, atol=0.02)
     assert (weight - float_weight).abs().max() < 0.1 * float_weight.abs().max()
     assert quantize.dequantized(float_weight) is float_weight
+
+
+def test_cpu_int8_kernel_computes_what_torchao_int8_linear_does():
+    """Int8CPULinear (ATen's int8 kernel, bfloat16 activations) against torchao's own int8 linear on the same
+    weight, for one and several rows; the state dict (what a file holds) is unchanged by the swap."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=True).to(DTYPE))
+    quantize_(model, quantize.handler_for("int8").config("cpu"))
+    keys = set(model.state_dict())
+    xs = [torch.randn(1, 64, dtype=DTYPE), torch.randn(2, 3, 64, dtype=DTYPE)]
+    expected = [model(x) for x in xs]
+    quantize.use_cpu_int8_kernel(model)
+    assert isinstance(model[0], quantize.Int8CPULinear) and set(model.state_dict()) == keys
+    for x, want in zip(xs, expected):
+        got = model(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
