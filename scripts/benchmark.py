@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Optional
@@ -735,6 +735,7 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--limit", type=int, help="first N questions of each dataset")
     p.add_argument("--per_category", type=int, help="first N questions of each category (MT-bench: 8 categories)")
+    p.add_argument("--turns", type=int, help="at most N turns of each question (MT-bench has 2; default: all)")
     p.add_argument("--max_new_tokens", type=int, help="default 256 (--quick: 16)")
     p.add_argument("--max_seq_len", type=int, help="cache length (default: what the prompts need)")
     p.add_argument("--baseline", help="method the speedups are relative to (default: the fastest vanilla)")
@@ -760,8 +761,8 @@ def parse_args(argv=None):
         raise generate.UsageError(f"--questions {args.questions} not found")
     if not args.datasets and not args.questions:
         raise generate.UsageError("no dataset: give --datasets mtbench humaneval and/or --questions FILE")
-    if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category)):
-        raise generate.UsageError("--max_new_tokens, --limit and --per_category must be >= 1")
+    if args.max_new_tokens < 1 or any(n is not None and n < 1 for n in (args.limit, args.per_category, args.turns)):
+        raise generate.UsageError("--max_new_tokens, --limit, --per_category and --turns must be >= 1")
     if any(t < 0 for t in args.temperatures):
         raise generate.UsageError("--temperatures must be >= 0 (0 = greedy)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -851,6 +852,8 @@ def run_benchmark(args, argv):
         items += select_questions(read_questions(args.questions, args.questions.stem), args.limit, args.per_category)
     if not items:
         raise generate.UsageError("the datasets hold no questions")
+    if args.turns:
+        items = [replace(item, turns=item.turns[: args.turns]) for item in items]
     datasets = list(dict.fromkeys(item.dataset for item in items))
     # the cache every session shares: the longest prompt (turn 2 with a full-length answer) + new tokens
     need = 0

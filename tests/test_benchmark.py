@@ -159,6 +159,19 @@ def test_per_category_takes_the_first_questions_of_each_category():
     assert benchmark.select_questions(questions, 5, 1) == picked[::2][:5]
 
 
+def test_turns_keeps_the_first_turns_of_each_question(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}))
+    threads = torch.get_num_threads()
+    try:
+        result = benchmark.main(["--quick", "--questions", str(questions), "--turns", "1", "--modes", "eager",
+                                 "--dtypes", "fp32", "--methods", "vanilla-fp32-eager", "--temperatures", "0",
+                                 "--max_new_tokens", "4", "--threads", "1", "--out", str(tmp_path / "t")])
+    finally:
+        torch.set_num_threads(threads)
+    assert [run["turn"] for run in result["runs"]] == [1]
+
+
 def test_n_alpha_and_acceptance_helpers():
     accept = [0, 1, 2, 5]
     assert benchmark.n_alpha(accept, 4) == [3 / 4, 2 / 3, 1 / 2, 1.0, 1.0]
