@@ -69,7 +69,8 @@ from tree import Tree, parse_tree  # noqa: E402
 STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
 EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
-# with g32), quantized in memory at load: their fastest configurations here. An EAGLE head on an int4 target is int4 too, as in generate.py.
+# with g32), quantized in memory at load: their fastest configurations here. An EAGLE head on an int4
+# target is int4 too, as in generate.py.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "int8": torch.bfloat16, "int4": torch.bfloat16}
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
