@@ -394,8 +394,8 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     if sampling is not None:
         draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
         vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    slots = int(base) + tree.num_nodes - 1 if live_slots else head.max_seq_len
-    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], slots)
+    attended = int(base) + tree.num_nodes - 1 if live_slots else head.max_seq_len
+    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], attended)
     parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
         if sampling is None:

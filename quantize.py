@@ -8,9 +8,10 @@
 One handler class per scheme; each wraps a torchao weight-only configuration:
 - int8: `Int8WeightOnlyConfig` (one scale per output row) -> `Int8Tensor`: plain int8 rows, so one
   file serves every device. On CPU with bfloat16 activations (the default) its linears then multiply
-  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`): the one hand-written piece. torchao's int8 linear
-  converts the whole weight to the activation dtype at every call, which on this CPU made int8 the
-  slowest precision; the kernel costs about what int4's does for one row and less for several.
+  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`): the one hand-written
+  piece. torchao's int8 linear converts the whole weight to the activation dtype at every call, which
+  on this CPU made int8 the slowest precision; with the kernel it is the second fastest, after int4,
+  which reads half the bytes.
 - int4: asymmetric, one scale and zero point per `groupsize` inputs of a row, in the tinygemm layout,
   which differs per device: on CPU torchao 0.18's `PrototypeInt4WeightOnlyConfig` -> `Int4OpaqueTensor`
   (`aten._weight_int4pack_mm_for_cpu`); on CUDA `Int4WeightOnlyConfig(int4_packing_format=
