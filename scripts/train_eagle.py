@@ -184,16 +184,18 @@ def cmd_data(args):
         return [{"tokens": torch.tensor(ids), "features": f.to(torch.bfloat16),
                  "loss_mask": torch.arange(len(ids)) >= n_prompt} for ids, f, n_prompt in rows]
 
-    def prompts(conversations):
+    def prompts(conversations, shortest=1):
         items = [(first_turn(c), None) for c in conversations]
-        return [it for it in items if len(it[0]) <= args.max_prompt_len]
+        return [it for it in items if shortest <= len(it[0]) <= args.max_prompt_len]
 
     def rendered(conversations):
         items = [render_with_mask(tokenizer, c, args.max_len) for c in conversations]
         return [it for it in items if any(it[1])]
 
+    # a length band of its own gets its own shards (the training set globs train-generated-*)
+    train_name = f"train-generated-p{args.min_prompt_len}" if args.min_prompt_len > 1 else "train-generated"
     jobs = [("eval-generated", prompts(held[: args.eval_size]), generated_batch),
-            ("train-generated", prompts(train[: args.generated]), generated_batch),
+            (train_name, prompts(train[: args.generated], args.min_prompt_len), generated_batch),
             ("eval-sharegpt", rendered(held[: args.eval_size]), sharegpt_batch)]
     if args.sharegpt:
         jobs.append(("train-sharegpt", rendered(train[: args.sharegpt]), sharegpt_batch))
@@ -513,6 +515,8 @@ def main():
     d.add_argument("--eval_size", type=int, default=100, help="held-out conversations per eval set")
     d.add_argument("--max_new_tokens", type=int, default=256)
     d.add_argument("--max_prompt_len", type=int, default=384)
+    d.add_argument("--min_prompt_len", type=int, default=1,
+                   help="generated training prompts at least this long, in shards of their own (a length band)")
     d.add_argument("--max_len", type=int, default=1024)
     d.add_argument("--batch_size", type=int, default=16)
     d.add_argument("--shard_size", type=int, default=64)
