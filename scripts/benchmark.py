@@ -571,14 +571,16 @@ def markdown(result: dict, plot_names: list) -> str:
              "(same prompt for every method); times include the prefill",
              "- speedup: per-prompt tokens/s over the baseline's on the same prompt; mean / median / p10 / min "
              "of those ratios; pooled = total tokens / total time over the baseline's",
-             "- peak RSS: process high-water mark during the method's runs, all models resident; in brackets the "
-             "largest rise over the RSS at the start of a run", ""]
+             "- weights + KV MB: the bytes of the method's own target (and head) weights and KV caches, which is "
+             "what it needs resident; peak RSS: process high-water mark during the method's runs, all models "
+             "resident; in brackets the largest rise over the RSS at the start of a run", ""]
     for g in result["summary"]:
         lines += [f"## {g['dataset']}, temperature {g['temperature']:g} (baseline `{g['baseline']}`, "
                   f"{g['baseline_rule']})", "",
                   "| method | runs | tokens/s (median) | speedup mean | median | p10 | min | pooled | tau | "
-                  "acceptance by depth | target fwd | head fwd | greedy = vanilla | peak RSS MB | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "acceptance by depth | target fwd | head fwd | greedy = vanilla | weights + KV MB | peak RSS MB | "
+                  "wall s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in g["methods"].items():
             sp, match = s["speedup"], s["outputs_match_vanilla"]
             depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"]) if s["acceptance_by_depth"] else "–"
@@ -588,6 +590,7 @@ def markdown(result: dict, plot_names: list) -> str:
                 f"| {name} | {s['runs']} | {fmt(s['tokens_per_s']['median'], 1)} | {fmt(sp['mean'])} | "
                 f"{fmt(sp['median'])} | {fmt(sp['p10'])} | {fmt(sp['min'])} | {fmt(sp['pooled'])} | {fmt(s['tau'])} | "
                 f"{depth} | {forwards[0]} | {forwards[1]} | {matched} | "
+                f"{fmt(meta.get('setup', {}).get(name, {}).get('weights_and_caches_mb'), 0)} | "
                 f"{fmt(s['peak_rss_mb'], 0)} (+{fmt(s['peak_rss_increase_mb'], 0)}) | "
                 f"{fmt(s['wall_s'], 1)} |")
         alphas = {name: s["n_alpha"] for name, s in g["methods"].items() if s["n_alpha"]}
