@@ -329,14 +329,15 @@ class Session:
         while True:
             clock = time.perf_counter()
             base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
+            head_slots = self.target_len + tree.draft_slots if self.live else None  # None: the whole cache
             if isinstance(tree, DynamicTree):
                 node_tokens, parents, depths, tree_mask = draft_dynamic_tree(model, head, tree, token, root_hidden,
-                                                                             top_logp, top_tokens, base, self.live)
+                                                                             top_logp, top_tokens, base, head_slots)
                 draft_probs = None  # its nodes are the draft's best-scored tokens: one-hot proposals
             else:
                 node_tokens, draft_probs = draft_static_tree(model, head, tree, token, root_hidden, root_logits,
-                                                             top_tokens, base, None if sampling.greedy else sampling,
-                                                             self.live)
+                                                             top_tokens, base, head_slots,
+                                                             None if sampling.greedy else sampling)
                 parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
             stats.head_forwards += tree.max_depth - 1
             clock = self._phase(stats, "draft", clock)
@@ -377,7 +378,7 @@ class Session:
 
 
 def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, root_logits, top_tokens, base,
-                      sampling: Optional[Sampling] = None, live_slots: bool = False):
+                      head_slots: Optional[int], sampling: Optional[Sampling] = None):
     """Fill a fixed tree, one head forward per level on all nodes of the level at once. Greedy: a node
     of rank r is its parent's r-th most likely draft token. With `sampling` (temperature > 0) the
     children of a node are instead draws without replacement from the head's distribution q (its logits
@@ -386,7 +387,8 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     with probability p(argmax q) only. Returns the node tokens and, when sampling, q per node [n, vocab]
     (row i: the law node i's children were drawn from) for accept_sampling, else None.
     Head scratch slot of node j: base + j - 1 (the root's own pair was already fed); rotary position
-    of depth d: base + d - 1. live_slots: attend to the live prefix of the head cache only (CPU)."""
+    of depth d: base + d - 1. Attention reads head cache slots 0..head_slots-1, a dynamic length (the
+    live prefix, on CPU), or the whole cache when head_slots is None (static shapes, on CUDA)."""
     device, k = base.device, tree.max_rank + 1
     node_tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)
     node_tokens[0] = root_token
@@ -394,8 +396,7 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     if sampling is not None:
         draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
         vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    attended = int(base) + tree.num_nodes - 1 if live_slots else head.max_seq_len
-    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], attended)
+    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head_slots or head.max_seq_len)
     parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
         if sampling is None:
@@ -411,15 +412,16 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
         parent_hidden, parent_logits, _, parent_top = draft_step(
             target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
             parent_hidden[:, parent_in_level], slots,
-            (base + depth - 1).expand(end - first), live(head_mask[first - 1:end - 1], live_slots), k)
+            (base + depth - 1).expand(end - first), live(head_mask[first - 1:end - 1], head_slots is not None), k)
         parent_first = first
     return node_tokens, draft_probs
 
 
 def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base,
-                       live_slots: bool = False):
+                       head_slots: Optional[int]):
     """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best
-    total_tokens nodes. Frontier nodes of depth d use head scratch slots base + (d-1)*top_k + i."""
+    total_tokens nodes. Frontier nodes of depth d use head scratch slots base + (d-1)*top_k + i.
+    Attention reads head cache slots 0..head_slots-1, as in draft_static_tree."""
     device, K = base.device, tree.top_k
     # candidate pool, in creation order: token, cumulative log-prob, parent (pool index, -1 = root), depth
     pool_tokens, pool_scores = [top_tokens[0, 0]], [top_logp[0, 0]]
@@ -429,7 +431,7 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
     frontier_hidden = root_hidden.expand(1, K, -1)  # features their head inputs pair with
     n_slots = (tree.depth - 1) * K
     frontier_slots = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # scratch ancestors
-    prefix = torch.arange(int(base) + n_slots if live_slots else head.max_seq_len, device=device) < base
+    prefix = torch.arange(head_slots or head.max_seq_len, device=device) < base
     root = torch.tensor([root_token], device=device)
     for depth in range(1, tree.depth):
         tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
@@ -440,7 +442,7 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
         parent_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]
         hidden, _, child_logp, child_tokens = draft_step(
             target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1), frontier_hidden, base + own,
-            (base + depth - 1).expand(K), live(mask, live_slots), K)
+            (base + depth - 1).expand(K), live(mask, head_slots is not None), K)
         child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
         start = tokens.numel()
         pool_tokens.append(child_tokens[0].flatten())

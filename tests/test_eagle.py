@@ -574,7 +574,7 @@ def test_greedy_drafts_are_not_sampled(monkeypatch):
     seen, real = [], generate.draft_static_tree
 
     def spy(*args):
-        seen.append(args[8])  # sampling
+        seen.append(args[9])  # sampling
         return real(*args)
 
     monkeypatch.setattr(generate, "draft_static_tree", spy)
