@@ -290,3 +290,16 @@ def test_batch_generate_matches_one_prompt_at_a_time():
         model.setup_caches(1, len(ids))
         _, expected = model(torch.tensor([ids]), torch.arange(len(ids)))
         torch.testing.assert_close(features, expected[0], atol=1e-4, rtol=1e-4)
+
+
+def test_length_band_shards_join_the_generated_set(tmp_path):
+    """`data --min_prompt_len N` writes train-generated-pN-* shards: the default training set
+    (`generated`) reads them beside the other shards, and `generated-pN` reads them alone."""
+    from scripts.train_eagle import load_records
+
+    record = {"tokens": torch.arange(3)}
+    torch.save([record], tmp_path / "train-generated-00000.pt")
+    torch.save([record, record], tmp_path / "train-generated-p129-00000.pt")
+    torch.save([record], tmp_path / "eval-generated-00000.pt")
+    assert len(load_records(tmp_path, "train-generated")) == 3
+    assert len(load_records(tmp_path, "train-generated-p129")) == 2
