@@ -8,14 +8,15 @@
 One handler class per scheme; each wraps a torchao weight-only configuration:
 - int8: `Int8WeightOnlyConfig` (one scale per output row) -> `Int8Tensor`: plain int8 rows, so one
   file serves every device. On CPU with bfloat16 activations (the default) its linears then multiply
-  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`): the one hand-written
-  piece. torchao's int8 linear converts the whole weight to the activation dtype at every call, which
-  on this CPU made int8 the slowest precision; with the kernel it is the second fastest, after int4,
-  which reads half the bytes.
+  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`). torchao's int8 linear
+  converts the whole weight to the activation dtype at every call, which on this CPU made int8 the
+  slowest precision; with the kernel it is the second fastest, after int4, which reads half the bytes.
 - int4: asymmetric, one scale and zero point per `groupsize` inputs of a row, in the tinygemm layout,
   which differs per device: on CPU torchao 0.18's `PrototypeInt4WeightOnlyConfig` -> `Int4OpaqueTensor`
   (`aten._weight_int4pack_mm_for_cpu`); on CUDA `Int4WeightOnlyConfig(int4_packing_format=
   "tile_packed_to_4d")` -> `Int4TilePackedTo4dTensor` (`aten._weight_int4pack_mm`, bfloat16 only).
+  On CPU the linears then make torchao's kernel call themselves (`Int4CPULinear`), which keeps the
+  tensor subclass out of torch.compile's guards.
 A file runs in the activation dtype it was quantized in (the int4 kernels take activations of the
 scales' dtype; the float parts are stored in it). Device type, dtype and group size are recorded in
 the file and checked on load.
@@ -134,14 +135,40 @@ class Int8CPULinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-def use_cpu_int8_kernel(model: nn.Module):
+class Int4CPULinear(nn.Linear):
+    """An nn.Linear holding torchao's Int4OpaqueTensor weight that makes the kernel call torchao makes
+    (`_weight_int4pack_mm_for_cpu`) itself, on the packed weight and its scales and zero points kept as
+    plain non-persistent buffers. Same numbers; what changes is torch.compile's guards: it checks a
+    tensor subclass's metadata in Python at every call of a compiled step, about 3.5 ms of a 40 ms
+    int4 decode of the default model, and a plain tensor in C++."""
+
+    @classmethod
+    def convert(cls, linear: nn.Linear):
+        linear.__class__ = cls
+        linear.register_buffer("int4_weight", linear.weight.qdata, persistent=False)
+        linear.register_buffer("int4_scales_zeros", linear.weight.scale_and_zero, persistent=False)
+        linear.groupsize = linear.weight.block_size[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), self.int4_weight,
+                                              self.groupsize, self.int4_scales_zeros)
+        y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def use_cpu_kernels(model: nn.Module):
     """On CPU, route every bfloat16 int8 linear of `model` through Int8CPULinear (the kernel's fp32
-    path is slower than torchao's; elsewhere there is nothing to do)."""
+    path is slower than torchao's) and every weight-only int4 linear through Int4CPULinear; elsewhere
+    there is nothing to do."""
     for linear in model.modules():
-        if isinstance(linear, nn.Linear) and isinstance(linear.weight, Int8Tensor) \
-                and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.bfloat16 \
-                and not isinstance(linear, Int8CPULinear):
+        if not isinstance(linear, nn.Linear) or isinstance(linear, (Int8CPULinear, Int4CPULinear)) \
+                or linear.weight.device.type != "cpu":
+            continue
+        weight = linear.weight
+        if isinstance(weight, Int8Tensor) and weight.dtype == torch.bfloat16:
             Int8CPULinear.convert(linear, torch.bfloat16)
+        elif isinstance(weight, Int4OpaqueTensor) and weight.act_mapping_type is None and weight.act_pre_scale is None:
+            Int4CPULinear.convert(linear)
 
 
 def handler_for(mode: str, groupsize: Optional[int] = None):
@@ -178,7 +205,7 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
     model.quantization = {"mode": handler.mode, "groupsize": handler.groupsize,
                           "device": handler.packed_for(device_type), "dtype": str(dtype).removeprefix("torch."),
                           "lm_head": quantize_lm_head, "torchao": torchao.__version__}
-    use_cpu_int8_kernel(model)
+    use_cpu_kernels(model)
     return model.quantization
 
 
@@ -198,6 +225,7 @@ def quantize_head(head, handler):
     for name, linear in linears.items():
         handler.check_linear(f"EAGLE head {name}", linear, device_type)
     quantize_(head, handler.config(device_type), filter_fn=lambda m, fqn: fqn in linears)
+    use_cpu_kernels(head)
     head.quantized_with = handler
 
 
@@ -262,7 +290,7 @@ def load_quantized(path: Path, device="cpu", dtype=None) -> Transformer:
             raise CheckpointError(f"{path}: {name}.weight is not {meta['mode']} with group size {meta['groupsize']} "
                                   "as its metadata says; quantize model.pth again")
     model = model.to(device).eval()
-    use_cpu_int8_kernel(model)
+    use_cpu_kernels(model)
     return model
 
 

@@ -136,8 +136,8 @@ def shallow_quantized(request, default_checkpoint):
     model = Transformer.from_checkpoint(default_checkpoint, dtype=torch.bfloat16)
     model.layers = model.layers[:EAGLE_LAYERS]
     quantize.quantize_model(model, quantize.handler_for(request.param), quantize_lm_head=True)
-    if request.param == "int8":
-        assert isinstance(model.output, quantize.Int8CPULinear)
+    kernel = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}[request.param]
+    assert isinstance(model.output, kernel) and isinstance(model.layers[0].attention.wo, kernel)
     return model
 
 
@@ -172,7 +172,7 @@ def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantize
     int4 = request.node.callspec.id.startswith("int4")
     quantize.quantize_head_like(head, model)  # as generate.py does: int4 on an int4 target
     if int4:
-        assert type(head.fc.weight) is type(model.output.weight)
+        assert type(head.fc.weight) is type(model.output.weight) and isinstance(head.fc, quantize.Int4CPULinear)
     eagle = Session(model, max_seq_len, head, parse_tree("paper"))
     if int4:  # the bound draft LM head rows are quantized like the target's
         assert type(head.lm_weight) is type(model.output.weight)
@@ -254,18 +254,24 @@ def test_dequantized_weight_computes_what_the_quantized_linear_does(mode):
     assert quantize.dequantized(float_weight) is float_weight
 
 
-def test_cpu_int8_kernel_computes_what_torchao_int8_linear_does():
-    """Int8CPULinear (ATen's int8 kernel, bfloat16 activations) against torchao's own int8 linear on the same
-    weight, for one and several rows; the state dict (what a file holds) is unchanged by the swap."""
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cpu_kernel_linear_computes_what_torchao_linear_does(mode):
+    """Int8CPULinear (ATen's int8 kernel) and Int4CPULinear (the int4 call torchao makes, on plain tensors)
+    against torchao's own linear on the same weight, bfloat16 activations, for one and several rows; the
+    state dict (what a file holds) is unchanged by the swap. int4 is the very same kernel call: equal."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=True).to(DTYPE))
-    quantize_(model, quantize.handler_for("int8").config("cpu"))
+    quantize_(model, quantize.handler_for(mode).config("cpu"))
     keys = set(model.state_dict())
     xs = [torch.randn(1, 64, dtype=DTYPE), torch.randn(2, 3, 64, dtype=DTYPE)]
     expected = [model(x) for x in xs]
-    quantize.use_cpu_int8_kernel(model)
-    assert isinstance(model[0], quantize.Int8CPULinear) and set(model.state_dict()) == keys
+    quantize.use_cpu_kernels(model)
+    kernel = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}[mode]
+    assert type(model[0]) is kernel and set(model.state_dict()) == keys
     for x, want in zip(xs, expected):
         got = model(x)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if mode == "int4":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
