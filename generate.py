@@ -55,14 +55,15 @@ def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
     if s.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
-        probs = logits.softmax(-1)
         top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
         if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > s.top_p).all()):
             top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
         kept = (top.cumsum(-1) - top <= s.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
-        logits = logits.masked_fill(probs < top.gather(-1, kept - 1), float("-inf"))  # ties at the cut stay
-    return logits.softmax(-1)
+        probs = probs.masked_fill(probs < top.gather(-1, kept - 1), 0.0)  # ties at the cut stay
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def draw(probs: Tensor, k: int = 1) -> Tensor:
