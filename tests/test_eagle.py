@@ -299,7 +299,8 @@ def test_greedy_shipped_head(spec, n_prompts, shipped_head, default_model, defau
         accepts += stats.accept_lengths
     tau = (sum(accepts) + len(accepts)) / len(accepts)
     # A random head gives tau ~1.0; the shipped head (v6) measured 1.62 (chain-2, int4) on the 80 MT-bench
-    # first turns (results/2026-11-30-amd-epyc-2cpu-mtbench80-v6.md). This checks that it really speculates, not the speed targets.
+    # first turns (results/2026-11-30-amd-epyc-2cpu-mtbench80-v6.md). This checks that it really
+    # speculates, not the speed targets.
     assert tau > 1.2, f"shipped head, tree {spec}: tau {tau:.2f} over {len(prompts)} prompts"
 
 
