@@ -118,10 +118,23 @@ class Int4WeightOnly:
                 and weight.block_size[-1] == self.groupsize)
 
 
-class Int8CPULinear(nn.Linear):
-    """An nn.Linear holding torchao's Int8Tensor weight that multiplies through ATen's CPU int8 kernel.
-    The weight (and so the state dict and the saved file) is unchanged; the kernel reads its int8 rows
-    and its scales in the activation dtype, kept as non-persistent buffers."""
+class CPUKernelLinear(nn.Linear):
+    """An nn.Linear whose quantized weight multiplies through an ATen CPU kernel called directly on
+    plain non-persistent buffers (the weight, and so the state dict and the saved file, is unchanged);
+    a subclass's `kernel` maps [rows, in] to [rows, >= out] (padding columns are dropped)."""
+
+    def kernel(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.kernel(x.reshape(-1, x.shape[-1]))[:, :self.out_features]
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8CPULinear(CPUKernelLinear):
+    """torchao's Int8Tensor weight through ATen's CPU int8 kernel, which reads its int8 rows and its
+    scales in the activation dtype."""
 
     @classmethod
     def convert(cls, linear: nn.Linear, dtype: torch.dtype):
@@ -129,18 +142,16 @@ class Int8CPULinear(nn.Linear):
         linear.register_buffer("int8_weight", linear.weight.qdata, persistent=False)
         linear.register_buffer("int8_scales", linear.weight.scale.reshape(-1).to(dtype).contiguous(), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.int8_weight, self.int8_scales)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
+    def kernel(self, x: Tensor) -> Tensor:
+        return torch._weight_int8pack_mm(x, self.int8_weight, self.int8_scales)
 
 
-class Int4CPULinear(nn.Linear):
-    """An nn.Linear holding torchao's Int4OpaqueTensor weight that makes the kernel call torchao makes
-    (`_weight_int4pack_mm_for_cpu`) itself, on the packed weight and its scales and zero points kept as
-    plain non-persistent buffers. Same numbers; what changes is torch.compile's guards: it checks a
-    tensor subclass's metadata in Python at every call of a compiled step, a plain tensor in C++ (guard
-    evaluation of the default model's int4 decode: 3.5 ms with the subclass, 2.0 ms without)."""
+class Int4CPULinear(CPUKernelLinear):
+    """torchao's Int4OpaqueTensor weight through the kernel call torchao makes itself
+    (`_weight_int4pack_mm_for_cpu`), on the packed weight and its scales and zero points. Same numbers;
+    what changes is torch.compile's guards: it checks a tensor subclass's metadata in Python at every
+    call of a compiled step, a plain tensor in C++ (guard evaluation of the default model's int4
+    decode: 3.5 ms with the subclass, 2.0 ms without)."""
 
     @classmethod
     def convert(cls, linear: nn.Linear):
@@ -149,11 +160,9 @@ class Int4CPULinear(nn.Linear):
         linear.register_buffer("int4_scales_zeros", linear.weight.scale_and_zero, persistent=False)
         linear.groupsize = linear.weight.block_size[1]
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), self.int4_weight,
-                                              self.groupsize, self.int4_scales_zeros)
-        y = y[:, :self.out_features].reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def kernel(self, x: Tensor) -> Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4_weight, self.groupsize,
+                                                 self.int4_scales_zeros)
 
 
 def use_cpu_kernels(model: nn.Module):
@@ -161,7 +170,7 @@ def use_cpu_kernels(model: nn.Module):
     path is slower than torchao's) and every weight-only int4 linear through Int4CPULinear; elsewhere
     there is nothing to do."""
     for linear in model.modules():
-        if not isinstance(linear, nn.Linear) or isinstance(linear, (Int8CPULinear, Int4CPULinear)) \
+        if not isinstance(linear, nn.Linear) or isinstance(linear, CPUKernelLinear) \
                 or linear.weight.device.type != "cpu":
             continue
         weight = linear.weight

@@ -125,6 +125,7 @@ def test_save_then_load_is_bit_identical(quantized, held_out):
     assert type(loaded.layers[0].feed_forward.w1.weight) is type(model.layers[0].feed_forward.w1.weight)
 
 
+CPU_KERNEL_LINEAR = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}
 EAGLE_LAYERS = 4  # of the default model's 30: greedy equality does not depend on depth
 
 
@@ -136,7 +137,7 @@ def shallow_quantized(request, default_checkpoint):
     model = Transformer.from_checkpoint(default_checkpoint, dtype=torch.bfloat16)
     model.layers = model.layers[:EAGLE_LAYERS]
     quantize.quantize_model(model, quantize.handler_for(request.param), quantize_lm_head=True)
-    kernel = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}[request.param]
+    kernel = CPU_KERNEL_LINEAR[request.param]
     assert isinstance(model.output, kernel) and isinstance(model.layers[0].attention.wo, kernel)
     return model
 
@@ -266,7 +267,7 @@ def test_cpu_kernel_linear_computes_what_torchao_linear_does(mode):
     xs = [torch.randn(1, 64, dtype=DTYPE), torch.randn(2, 3, 64, dtype=DTYPE)]
     expected = [model(x) for x in xs]
     quantize.use_cpu_kernels(model)
-    kernel = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}[mode]
+    kernel = CPU_KERNEL_LINEAR[mode]
     assert type(model[0]) is kernel and set(model.state_dict()) == keys
     for x, want in zip(xs, expected):
         got = model(x)
