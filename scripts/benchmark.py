@@ -491,14 +491,25 @@ def method_summary(m: Method, rs: list) -> dict:
 
 
 # ---------------------------------------------------------------- output
+def cpu_isa(cpuinfo: str) -> str:
+    """The widest matmul instruction set the CPU reports: it decides which precision is fastest here
+    (machines with the same model name have differed), so results name it."""
+    flags = set(re.search(r"flags\s*:\s*(.+)", cpuinfo).group(1).split()) if "flags" in cpuinfo else set()
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa.replace("_", "-")
+    return "unknown"
+
+
 def machine_info(device: str) -> dict:
-    cpu = platform.processor() or platform.machine()
+    cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:
-        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        cpu = m.group(1).strip() if m else cpu
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        m = re.search(r"model name\s*:\s*(.+)", cpuinfo)
+        cpu, isa = (m.group(1).strip() if m else cpu), cpu_isa(cpuinfo)
     except OSError:
         pass
-    info = {"platform": platform.platform(), "processor": cpu, "cpu_count": os.cpu_count(),
+    info = {"platform": platform.platform(), "processor": cpu, "isa": isa, "cpu_count": os.cpu_count(),
             "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "python": platform.python_version(), "torch": torch.__version__, "device": device}
     if device.startswith("cuda"):
@@ -507,7 +518,8 @@ def machine_info(device: str) -> dict:
 
 
 def machine_slug(info: dict) -> str:
-    name = info.get("gpu") or f"{info['processor']}-{info['cpu_affinity'] or info['cpu_count']}cpu"
+    name = info.get("gpu") or (f"{info['processor']}-{info['cpu_affinity'] or info['cpu_count']}cpu"
+                               f"-{info.get('isa', 'unknown')}")
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
@@ -557,7 +569,7 @@ def fmt(x, digits=2, suffix=""):
 
 def markdown(result: dict, plot_names: list) -> str:
     meta = result["metadata"]
-    lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']}", "",
+    lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']} ({meta['machine'].get('isa', 'ISA unknown')})", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']['platform']}, {meta['machine']['cpu_count']} CPUs "
              f"({meta['machine']['cpu_affinity']} usable), device {meta['machine']['device']}, "

@@ -248,3 +248,11 @@ def test_head_record_reads_the_training_budget():
     assert row["input_mode"] == "shifted" and row["draft_vocab"] == 16384
     assert row["steps"] == record["warm_start"]["total_steps"]  # all runs of a warm-started head
     assert row["tokens_seen"] > 0 and row["wall_s"] > 0 and len(row["heldout_top1"]) == 4
+
+
+def test_cpu_isa_names_the_widest_matmul_instruction_set():
+    assert benchmark.cpu_isa("model name : X\nflags : fpu avx2 fma avx512f avx512_bf16\n") == "avx512-bf16"
+    assert benchmark.cpu_isa("flags : fpu sse avx2 fma\n") == "avx2"
+    assert benchmark.cpu_isa("processor : 0\n") == "unknown"
+    slug = benchmark.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
+    assert slug == "amd-epyc-2cpu-avx2"
