@@ -86,7 +86,7 @@ def draw(probs: Tensor, k: int = 1) -> Tensor:
 def sample(logits: Tensor, s: Sampling) -> Tensor:
     """A token id per row of logits [..., vocab]."""
     if s.greedy:
-        return logits.argmax(-1)
+        return logits.float().argmax(-1)  # same index; on CPU a bfloat16 argmax costs 4x a float one
     return draw(logits_to_probs(logits, s))[..., 0]
 
 
@@ -473,7 +473,7 @@ def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: 
     """The deepest node whose whole root path equals the target's argmax at each step.
     Returns (accepted node indices, root first; bonus token = target argmax after the last).
     Siblings hold distinct tokens, so at most one node per depth can be accepted."""
-    choice = logits.argmax(-1)  # [n]: the target's greedy token after each node
+    choice = logits.float().argmax(-1)  # [n]: the target's greedy token after each node (see sample)
     matches = node_tokens == choice[parents]
     matches[0] = True
     accepted = matches
@@ -632,8 +632,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
     p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
-    p.add_argument("--tree", default="chain-2", help="chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
-                   "(default chain-2: the fastest in results/ on this CPU with the shipped head)")
+    p.add_argument("--tree", default="chain-1", help="chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
+                   "(default chain-1: the fastest in results/ on this CPU with the shipped head)")
     args = p.parse_args(argv)
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
