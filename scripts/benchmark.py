@@ -7,7 +7,7 @@
     python scripts/benchmark.py --datasets mtbench --per_category 1  # one question of each of the 8 categories
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
 
-Methods are named configurations: `vanilla-{fp32,bf16,int8,int4}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
+Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
 for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
 --ablation_tree), and with --peers transformers' `hf-DTYPE` (plain generate) and `hf-pld-DTYPE`
 (prompt-lookup decoding). --methods keeps the names matching any of its shell patterns.
@@ -69,10 +69,12 @@ from tree import Tree, parse_tree  # noqa: E402
 STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
 EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
-# with g32), quantized in memory at load: their fastest configurations here. An EAGLE head on an int4
-# target is int4 too, as in generate.py.
+# with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
+# bf16 (quantize.py's default file, slower but closer to fp32). An EAGLE head on an int4 target is int4
+# too, as in generate.py.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "int8": torch.bfloat16, "int4": torch.bfloat16}
+          "int8": torch.bfloat16, "int4": torch.bfloat16, "int4f": torch.bfloat16}
+QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int4f": ("int4", False)}  # mode, LM head too
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in one "
                      "```python code block.\n\n```python\n{prompt}```")
@@ -126,7 +128,7 @@ def build_methods(args) -> list:
                 for label, c in modes:
                     methods.append(Method(f"eagle{suffix}-{tree_name}-{d}-{label}", "eagle", d, c, spec, head_dir))
     if args.peers:
-        floats = [d for d in args.dtypes if d not in ("int8", "int4")]  # transformers runs the float weights
+        floats = [d for d in args.dtypes if d not in QUANTIZED]  # transformers runs the float weights
         methods += [Method(f"hf-{d}", "hf", d) for d in floats]
         methods += [Method(f"hf-pld-{d}", "hf-pld", d) for d in floats]
     selected = [m for m in methods if any(fnmatch.fnmatchcase(m.name, p) for p in args.methods)]
@@ -736,6 +738,7 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=["*"], help="shell patterns of the method names to run")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
+                   "(int4f: int4 with the LM head in bf16) "
                    "(default: fp32 bf16 int8 int4; --quick: fp32 bf16)")
     p.add_argument("--modes", nargs="+", choices=["eager", "compiled"],
                    help="eager and/or compiled (default: both; --quick: eager)")
@@ -788,8 +791,9 @@ def parse_args(argv=None):
 
 def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[precision])
-    if precision in ("int8", "int4"):
-        quantize.quantize_model(model, quantize.handler_for(precision), quantize_lm_head=True)
+    if precision in QUANTIZED:
+        mode, lm_head = QUANTIZED[precision]
+        quantize.quantize_model(model, quantize.handler_for(mode), quantize_lm_head=lm_head)
     return model
 
 

@@ -256,3 +256,18 @@ def test_cpu_isa_names_the_widest_matmul_instruction_set():
     assert benchmark.cpu_isa("processor : 0\n") == "unknown"
     slug = benchmark.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
     assert slug == "amd-epyc-2cpu-avx2"
+
+
+@pytest.mark.parametrize("precision, lm_head_quantized", [("int4", True), ("int4f", False), ("int8", True)])
+def test_quantized_precisions_differ_only_in_the_lm_head(tmp_path, precision, lm_head_quantized):
+    """int4 quantizes the LM head too (the fastest), int4f keeps it in bf16 (quantize.py's default file)."""
+    import quantize
+    from model import ModelArgs, Transformer
+    from tests.test_quantize import TINY_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    torch.save(Transformer(ModelArgs.from_config(TINY_CONFIG)).state_dict_for_save(), tmp_path / "model.pth")
+    model = benchmark.load_target(tmp_path / "model.pth", precision, "cpu")
+    assert model.quantization["mode"] == precision[:4] and model.quantization["lm_head"] == lm_head_quantized
+    assert isinstance(model.output, quantize.CPUKernelLinear) == lm_head_quantized
+    assert isinstance(model.layers[0].attention.wqkv, quantize.CPUKernelLinear)
