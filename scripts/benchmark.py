@@ -496,7 +496,8 @@ def method_summary(m: Method, rs: list) -> dict:
 def cpu_isa(cpuinfo: str) -> str:
     """The widest matmul instruction set the CPU reports: it decides which precision is fastest here
     (machines with the same model name have differed), so results name it."""
-    flags = set(re.search(r"flags\s*:\s*(.+)", cpuinfo).group(1).split()) if "flags" in cpuinfo else set()
+    m = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
+    flags = set(m.group(1).split()) if m else set()
     for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
         if isa in flags:
             return isa.replace("_", "-")
@@ -571,7 +572,8 @@ def fmt(x, digits=2, suffix=""):
 
 def markdown(result: dict, plot_names: list) -> str:
     meta = result["metadata"]
-    lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']} ({meta['machine'].get('isa', 'ISA unknown')})", "",
+    isa = meta["machine"].get("isa", "ISA unknown")
+    lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']} ({isa})", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']['platform']}, {meta['machine']['cpu_count']} CPUs "
              f"({meta['machine']['cpu_affinity']} usable), device {meta['machine']['device']}, "

@@ -254,6 +254,7 @@ def test_cpu_isa_names_the_widest_matmul_instruction_set():
     assert benchmark.cpu_isa("model name : X\nflags : fpu avx2 fma avx512f avx512_bf16\n") == "avx512-bf16"
     assert benchmark.cpu_isa("flags : fpu sse avx2 fma\n") == "avx2"
     assert benchmark.cpu_isa("processor : 0\n") == "unknown"
+    assert benchmark.cpu_isa("flags : fpu avx2\nvmx flags : avx512f\n") == "avx2"  # the CPU's own flags only
     slug = benchmark.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
     assert slug == "amd-epyc-2cpu-avx2"
 
