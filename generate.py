@@ -473,7 +473,7 @@ def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: 
     """The deepest node whose whole root path equals the target's argmax at each step.
     Returns (accepted node indices, root first; bonus token = target argmax after the last).
     Siblings hold distinct tokens, so at most one node per depth can be accepted."""
-    choice = logits.float().argmax(-1)  # [n]: the target's greedy token after each node (see sample)
+    choice = sample(logits, Sampling())  # [n]: the target's greedy token after each node
     matches = node_tokens == choice[parents]
     matches[0] = True
     accepted = matches

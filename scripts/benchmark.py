@@ -72,9 +72,9 @@ EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before a
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
 # bf16 (quantize.py's default file, slower but closer to fp32). An EAGLE head on an int4 target is int4
 # too, as in generate.py.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "int8": torch.bfloat16, "int4": torch.bfloat16, "int4f": torch.bfloat16}
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int4f": ("int4", False)}  # mode, LM head too
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          **{precision: torch.bfloat16 for precision in QUANTIZED}}
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in one "
                      "```python code block.\n\n```python\n{prompt}```")
