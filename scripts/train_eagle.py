@@ -159,6 +159,12 @@ def write_shards(out_dir: Path, name: str, items, make_batch, batch_size: int, s
         tmp.rename(path)
 
 
+def generated_shard_name(skip: int, min_prompt_len: int) -> str:
+    """A later range of conversations (skip) or a band of longer prompts gets shards of its own, so a
+    resumed step never mixes items into existing shards; training globs train-generated-*."""
+    return "train-generated" + (f"-s{skip}" if skip else "") + (f"-p{min_prompt_len}" if min_prompt_len > 1 else "")
+
+
 def cmd_data(args):
     from scripts.convert_gguf import ensure_default_model
 
@@ -167,8 +173,8 @@ def cmd_data(args):
     model = Transformer.from_checkpoint(checkpoint, dtype=getattr(torch, args.dtype))
     tokenizer = Tokenizer.load(checkpoint.parent)
     out = Path(args.out)
-    convs = list(sharegpt_conversations(HELD_OUT + max(args.generated, args.sharegpt)))
-    held, train = convs[:HELD_OUT], convs[HELD_OUT:]
+    convs = list(sharegpt_conversations(HELD_OUT + args.skip + max(args.generated, args.sharegpt)))
+    held, train = convs[:HELD_OUT], convs[HELD_OUT + args.skip:]
     stop = tokenizer.stop_ids
 
     def first_turn(messages):
@@ -192,8 +198,7 @@ def cmd_data(args):
         items = [render_with_mask(tokenizer, c, args.max_len) for c in conversations]
         return [it for it in items if any(it[1])]
 
-    # a length band of its own gets its own shards (the training set globs train-generated-*)
-    train_name = f"train-generated-p{args.min_prompt_len}" if args.min_prompt_len > 1 else "train-generated"
+    train_name = generated_shard_name(args.skip, args.min_prompt_len)
     jobs = [("eval-generated", prompts(held[: args.eval_size]), generated_batch),
             (train_name, prompts(train[: args.generated], args.min_prompt_len), generated_batch),
             ("eval-sharegpt", rendered(held[: args.eval_size]), sharegpt_batch)]
@@ -228,8 +233,8 @@ def pad_batch(rows):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def eagle_loss(head: EagleHead, pred, true_next, mask):
-    """SmoothL1 on features + 0.1 * soft cross-entropy against the target's distribution (over the
+def eagle_loss(head: EagleHead, pred, true_next, mask, ce_weight: float = 0.1):
+    """SmoothL1 on features + ce_weight (paper: 0.1) * soft cross-entropy against the target's distribution (over the
     head's draft vocabulary, which is all the draft can propose); also returns top-1 agreement
     within that vocabulary on the masked positions."""
     pred, true_next = pred[mask], true_next[mask]
@@ -240,7 +245,7 @@ def eagle_loss(head: EagleHead, pred, true_next, mask):
     draft_logp = head.draft_logits(pred).float().log_softmax(-1)
     ce = -(target_p * draft_logp).sum(-1).mean()
     top1 = (draft_logp.argmax(-1) == target_logits.argmax(-1)).float()
-    return reg + 0.1 * ce, reg, ce, top1
+    return reg + ce_weight * ce, reg, ce, top1
 
 
 def draft_vocabulary(records, data_dir: Path, size: int, vocab_size: int, tokenizer_dir: Path):
@@ -267,14 +272,14 @@ def draft_vocabulary(records, data_dir: Path, size: int, vocab_size: int, tokeni
     return score.topk(size).indices.sort().values
 
 
-def forward_batch(target, head, records, device, noise=0.0):
+def forward_batch(target, head, records, device, noise=0.0, ce_weight=0.1):
     plain = head.module if hasattr(head, "module") else head  # DDP wraps the head
     parts = [head_inputs(target, plain, r, device, noise) for r in records]
     embeds, feats, true_next, mask = (pad_batch([p[i] for p in parts]) for i in range(4))
     T = embeds.shape[1]
     pos = torch.arange(T, device=device)
     pred = head(embeds, feats, pos, mask=causal_mask(pos, T), rope_pos=pos)
-    return eagle_loss(plain, pred, true_next, mask.bool())
+    return eagle_loss(plain, pred, true_next, mask.bool(), ce_weight)
 
 
 @torch.no_grad()
@@ -432,7 +437,8 @@ def cmd_train(args):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(state["step"])
             with autocast:
-                loss, reg, ce, top1 = forward_batch(target, module, [train[i] for i in mine], device, args.noise)
+                loss, reg, ce, top1 = forward_batch(target, module, [train[i] for i in mine], device, args.noise,
+                                                           args.ce_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
@@ -517,6 +523,9 @@ def main():
     d.add_argument("--max_prompt_len", type=int, default=384)
     d.add_argument("--min_prompt_len", type=int, default=1,
                    help="generated training prompts at least this long, in shards of their own (a length band)")
+    d.add_argument("--skip", type=int, default=0,
+                   help="leave out the first N training conversations (fresh prompts for a warm-started head), "
+                   "in shards of their own")
     d.add_argument("--max_len", type=int, default=1024)
     d.add_argument("--batch_size", type=int, default=16)
     d.add_argument("--shard_size", type=int, default=64)
@@ -538,6 +547,8 @@ def main():
     t.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--ce_weight", type=float, default=0.1,
+                   help="weight of the soft cross-entropy next to SmoothL1 on features (paper: 0.1)")
     t.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
     t.add_argument("--input_mode", "--input-mode", choices=INPUT_MODES,
                    help="head input for the paper's ablation (default shifted, EAGLE): unshifted pairs f_i "

@@ -110,6 +110,24 @@ def test_shifted_alignment_in_training_inputs():
     assert torch.equal(embeds, target.tok_embeddings(tokens[:-1]))
 
 
+def test_eagle_loss_weights_the_cross_entropy():
+    """The loss is SmoothL1 + ce_weight * soft CE (paper 0.1); top-1 compares draft and target argmax."""
+    from scripts.train_eagle import eagle_loss
+
+    torch.manual_seed(0)
+    target = Transformer(TINY).eval()
+    head = EagleHead.for_target(TINY)
+    head.bind(target.output.weight)
+    pred, true_next = torch.randn(1, 5, TINY.dim), torch.randn(1, 5, TINY.dim)
+    mask = torch.tensor([[False, True, True, True, True]])
+    paper, reg, ce, top1 = eagle_loss(head, pred, true_next, mask)
+    torch.testing.assert_close(paper, reg + 0.1 * ce)
+    heavy, *_ = eagle_loss(head, pred, true_next, mask, ce_weight=1.0)
+    torch.testing.assert_close(heavy, reg + ce)
+    assert top1.shape == (4,)
+    assert bool(eagle_loss(head, true_next, true_next, mask)[3].all())  # exact features: same argmax
+
+
 @pytest.mark.parametrize("mode", ["unshifted", "feature", "token"])
 def test_input_modes(tmp_path, mode):
     """Ablation heads keep their input mode through save/load; "feature" ignores the token half of
@@ -293,13 +311,19 @@ def test_batch_generate_matches_one_prompt_at_a_time():
 
 
 def test_length_band_shards_join_the_generated_set(tmp_path):
-    """`data --min_prompt_len N` writes train-generated-pN-* shards: the default training set
-    (`generated`) reads them beside the other shards, and `generated-pN` reads them alone."""
-    from scripts.train_eagle import load_records
+    """`data --min_prompt_len N` writes train-generated-pN-* shards and `data --skip S` (later
+    conversations) train-generated-sS-* ones: the default training set (`generated`) reads them beside
+    the other shards, and `generated-pN` reads its band alone."""
+    from scripts.train_eagle import generated_shard_name, load_records
 
+    assert generated_shard_name(0, 1) == "train-generated"
+    assert generated_shard_name(0, 129) == "train-generated-p129"
+    assert generated_shard_name(6300, 1) == "train-generated-s6300"
+    assert generated_shard_name(6300, 129) == "train-generated-s6300-p129"
     record = {"tokens": torch.arange(3)}
     torch.save([record], tmp_path / "train-generated-00000.pt")
     torch.save([record, record], tmp_path / "train-generated-p129-00000.pt")
+    torch.save([record] * 4, tmp_path / "train-generated-s6300-00000.pt")
     torch.save([record], tmp_path / "eval-generated-00000.pt")
-    assert len(load_records(tmp_path, "train-generated")) == 3
+    assert len(load_records(tmp_path, "train-generated")) == 7
     assert len(load_records(tmp_path, "train-generated-p129")) == 2
