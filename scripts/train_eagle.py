@@ -37,6 +37,7 @@ from model import Transformer, causal_mask  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 HELD_OUT = 200  # the first conversations of the file are never trained on
+PAPER_CE_WEIGHT = 0.1  # the soft cross-entropy's weight in the paper's loss; evaluation always reports it
 
 
 # ---------------------------------------------------------------- ShareGPT
@@ -235,7 +236,7 @@ def pad_batch(rows):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
-def eagle_loss(head: EagleHead, pred, true_next, mask, ce_weight: float = 0.1):
+def eagle_loss(head: EagleHead, pred, true_next, mask, ce_weight: float = PAPER_CE_WEIGHT):
     """SmoothL1 on features + ce_weight (paper: 0.1) * soft cross-entropy against the target's
     distribution (over the head's draft vocabulary, which is all the draft can propose); also returns
     top-1 agreement within that vocabulary on the masked positions."""
@@ -274,7 +275,7 @@ def draft_vocabulary(records, data_dir: Path, size: int, vocab_size: int, tokeni
     return score.topk(size).indices.sort().values
 
 
-def forward_batch(target, head, records, device, noise=0.0, ce_weight=0.1):
+def forward_batch(target, head, records, device, noise=0.0, ce_weight=PAPER_CE_WEIGHT):
     plain = head.module if hasattr(head, "module") else head  # DDP wraps the head
     parts = [head_inputs(target, plain, r, device, noise) for r in records]
     embeds, feats, true_next, mask = (pad_batch([p[i] for p in parts]) for i in range(4))
@@ -549,7 +550,7 @@ def main():
     t.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
-    t.add_argument("--ce_weight", type=float, default=0.1,
+    t.add_argument("--ce_weight", type=float, default=PAPER_CE_WEIGHT,
                    help="weight of the soft cross-entropy next to SmoothL1 on features (paper: 0.1)")
     t.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
     t.add_argument("--input_mode", "--input-mode", choices=INPUT_MODES,
