@@ -83,10 +83,15 @@ def draw(probs: Tensor, k: int = 1) -> Tensor:
     return torch.cat(out, -1).view(*probs.shape[:-1], k)
 
 
+def argmax_tokens(logits: Tensor) -> Tensor:
+    """The greedy token per row of logits [..., vocab]."""
+    return logits.float().argmax(-1)  # same index; on CPU a bfloat16 argmax costs 4x a float one
+
+
 def sample(logits: Tensor, s: Sampling) -> Tensor:
     """A token id per row of logits [..., vocab]."""
     if s.greedy:
-        return logits.float().argmax(-1)  # same index; on CPU a bfloat16 argmax costs 4x a float one
+        return argmax_tokens(logits)
     return draw(logits_to_probs(logits, s))[..., 0]
 
 
@@ -100,8 +105,11 @@ def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor)
     return model(tokens, input_pos, mask=mask, logits_at=slice(-1, None))
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask: Tensor):
-    return model(token, input_pos, mask=mask)
+def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool):
+    """The next token's logits [1, 1, V], or with `greedy` the greedy token [1, 1] (the argmax runs in
+    the compiled step)."""
+    logits, _ = model(token, input_pos, mask=mask)
+    return argmax_tokens(logits) if greedy else logits
 
 
 def tree_attention_mask(base: Tensor, tree_mask: Tensor, slots: int) -> Tensor:
@@ -113,11 +121,20 @@ def tree_attention_mask(base: Tensor, tree_mask: Tensor, slots: int) -> Tensor:
     return (cols < base)[None, :] | (tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :])
 
 
-def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, mask: Tensor):
+def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, mask: Tensor, greedy: bool):
     """Target over all tree nodes at slots base.., rotary positions base + depth, under `mask`
-    (tree_attention_mask): logits, features."""
+    (tree_attention_mask): the logits after each node [n, V] (with `greedy`, the greedy tokens [n])
+    and the features [1, n, dim]."""
     input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
-    return target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
+    logits, features = target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
+    return (argmax_tokens(logits[0]) if greedy else logits[0]), features
+
+
+def draft_top(logits: Tensor, k: int):
+    """The k best draft log-probs and their draft-vocabulary indices [..., k] (k = 1: a max, which on
+    CPU costs a fraction of a topk)."""
+    logp = logits.float().log_softmax(-1)
+    return logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
 
 
 def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
@@ -127,8 +144,8 @@ def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_feat
     draft log-probs and tokens [1, m, k]."""
     hidden = head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos)
     logits = head.draft_logits(hidden)
-    top = logits.float().log_softmax(-1).topk(k, dim=-1)
-    return hidden, logits, top.values, head.token_ids(top.indices)
+    top_logp, top_index = draft_top(logits, k)
+    return hidden, logits, top_logp, head.token_ids(top_index)
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
@@ -139,8 +156,8 @@ def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, featu
     hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
     hidden = hidden.index_select(1, last)
     logits = head.draft_logits(hidden)
-    top = logits.float().log_softmax(-1).topk(k, dim=-1)
-    return hidden, logits, top.values, head.token_ids(top.indices)
+    top_logp, top_index = draft_top(logits, k)
+    return hidden, logits, top_logp, head.token_ids(top_index)
 
 
 head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
@@ -155,7 +172,7 @@ def live(mask: Tensor, on: bool) -> Tensor:
 
 def compile_steps(device: str, prefill_too: bool):
     """Compile the fixed-shape steps of a cycle; shapes never change (the slot count of a live mask is
-    dynamic), so nothing recompiles."""
+    dynamic), so nothing recompiles. The target's steps compile once greedy and once sampling."""
     global decode_one_token, verify, draft_step, head_extend, prefill, head_prefill
     options = dict(fullgraph=True, dynamic=False)
     if device.startswith("cuda"):
@@ -299,13 +316,13 @@ class Session:
             clock = time.perf_counter()
             pos = torch.tensor([self.target_len], device=self.device)
             mask = causal_mask(pos, self._slots(self.target_len + 1, self.model.max_seq_len))
-            logits, _ = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos,
-                                         live(mask, self.live))
+            out = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos,
+                                   live(mask, self.live), sampling.greedy)
             clock = self._phase(stats, "decode", clock)
             stats.target_forwards += 1
             self.tokens.append(token)
             self.target_len += 1
-            token = int(sample(logits[0, -1], sampling))
+            token = int(out) if sampling.greedy else int(sample(out[0, -1], sampling))
             self._phase(stats, "sample", clock)
 
     # ---------------------------------------------------------------- EAGLE
@@ -344,26 +361,29 @@ class Session:
             clock = self._phase(stats, "draft", clock)
             slots = self._slots(self.target_len + len(node_tokens), model.max_seq_len)
             mask = live(tree_attention_mask(base, tree_mask, slots), self.live)
-            logits, features = verify(model, node_tokens, base, depths, mask)
+            out, features = verify(model, node_tokens, base, depths, mask, sampling.greedy)
             stats.target_forwards += 1
             clock = self._phase(stats, "verify", clock)
+            tokens, parent_of = node_tokens.tolist(), parents.tolist()
             if sampling.greedy:
-                path, bonus = accept_greedy(node_tokens, logits[0], parents, depths, tree_mask)
+                path, bonus = accept_greedy(tokens, out.tolist(), parent_of)
             else:
-                path, bonus = accept_sampling(node_tokens, logits[0], parents, sampling, draft_probs)
+                path, bonus = accept_sampling(tokens, out, parent_of, sampling, draft_probs)
             stats.accept_lengths.append(len(path) - 1)
-            new = node_tokens[path[1:]].tolist() + [bonus]
+            new = [tokens[i] for i in path[1:]] + [bonus]
             self._phase(stats, "accept", clock)
             yield new
             clock = time.perf_counter()  # the caller's time (streaming, stop checks) is not a phase
             # commit: accepted nodes' KV to contiguous slots; head re-reads true features
             n_acc = len(path)
-            src = torch.tensor(path + list(range(n_acc, pad)), device=device) + base
-            dst = base + torch.arange(pad, device=device)
-            if path != list(range(n_acc)):  # else (always on a chain) every entry is in place already
+            dst = torch.arange(self.target_len, self.target_len + pad, device=device)
+            if path == list(range(n_acc)):  # always on a chain: every entry is in place already
+                feats = features[0, :pad]
+            else:  # the accepted nodes, then padding rows (the head's update ignores them)
+                rows = torch.tensor(path + list(range(n_acc, pad)), device=device)
                 for cache in model.kv_caches():
-                    cache.move(src, dst)
-            feats = features[0].index_select(0, src - base)
+                    cache.move(base + rows, dst)
+                feats = features[0].index_select(0, rows)
             self.features[self.target_len: self.target_len + pad] = feats
             paired = head.pair_tokens(new, [token] + new[:-1])
             nxt = torch.tensor(paired + [0] * (pad - len(paired)), device=device).view(1, -1)
@@ -397,7 +417,7 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
     if sampling is not None:
         draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
         vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head_slots or head.max_seq_len)
+    head_mask = None  # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
     parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
     for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
         if sampling is None:
@@ -409,6 +429,8 @@ def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, ro
             node_tokens[first:end] = vocab_ids[draws[parent_in_level, tree.ranks[first:end]]]
         if depth == tree.max_depth:
             break
+        if head_mask is None:
+            head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head_slots or head.max_seq_len)
         slots = base + torch.arange(first - 1, end - 1, device=device)
         parent_hidden, parent_logits, _, parent_top = draft_step(
             target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
@@ -469,22 +491,22 @@ def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hi
     return node_tokens, parents, node_depths, tree_mask
 
 
-def accept_greedy(node_tokens: Tensor, logits: Tensor, parents: Tensor, depths: Tensor, tree_mask: Tensor):
-    """The deepest node whose whole root path equals the target's argmax at each step.
-    Returns (accepted node indices, root first; bonus token = target argmax after the last).
-    Siblings hold distinct tokens, so at most one node per depth can be accepted."""
-    choice = sample(logits, Sampling())  # [n]: the target's greedy token after each node
-    matches = node_tokens == choice[parents]
-    matches[0] = True
-    accepted = matches
-    for _ in range(int(depths.max())):
-        accepted = matches & accepted[parents]
-    deepest = int(torch.where(accepted, depths, -1).argmax())
-    path = tree_mask[deepest].nonzero().flatten().tolist()  # its ancestors, in depth order
-    return path, int(choice[deepest])
+def accept_greedy(tokens: list, choice: list, parents: list):
+    """The deepest node whose whole root path equals the target's greedy token at each step; choice[i]
+    is the target's greedy token after node i. Nodes come in depth order (parents before children) and
+    siblings hold distinct tokens, so the accepted nodes form one path and the last one is the deepest.
+    Returns (accepted node indices, root first; bonus token = the target's choice after the last)."""
+    accepted, deepest = [True] + [False] * (len(tokens) - 1), 0
+    for i in range(1, len(tokens)):
+        if accepted[parents[i]] and tokens[i] == choice[parents[i]]:
+            accepted[i], deepest = True, i
+    path = [deepest]
+    while path[-1]:
+        path.append(parents[path[-1]])
+    return path[::-1], choice[deepest]
 
 
-def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampling: Sampling,
+def accept_sampling(tokens: list, logits: Tensor, parents: list, sampling: Sampling,
                     draft_probs: Optional[Tensor] = None):
     """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
 
@@ -497,13 +519,13 @@ def accept_sampling(node_tokens: Tensor, logits: Tensor, parents: Tensor, sampli
     final r. Each round is a speculative-sampling step for target r, whose output law is exactly r for
     any proposal, so every committed token follows the target distribution p (temperature / top-k /
     top-p applied as in vanilla sampling). A child whose q_j is 0 (q was cut short by top-k / top-p and
-    is used up) proposes nothing and is skipped.
+    is used up) proposes nothing and is skipped. tokens[i] and parents[i] are node i's token and parent
+    (root: 0), logits [n, V] the target's after each node.
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
-    tokens = node_tokens.tolist()
     children = [[] for _ in tokens]
-    for child, parent in enumerate(parents.tolist()[1:], 1):
+    for child, parent in enumerate(parents[1:], 1):
         children[parent].append(child)
     path, node = [0], 0
     while True:

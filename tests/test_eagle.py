@@ -314,7 +314,7 @@ class VerifierLog:
 
     def __call__(self, node_tokens, logits, parents, sampling, draft_probs=None):
         path, bonus = self.verifier(node_tokens, logits, parents, sampling, draft_probs)
-        parent_of = parents.tolist()
+        parent_of = list(parents)
         first_child = {}
         for child in range(1, len(parent_of)):
             first_child.setdefault(parent_of[child], child)  # verifiers try siblings in node order
@@ -331,7 +331,7 @@ def accept_sampling_without_residual(node_tokens, logits, parents, sampling, dra
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
     probs = generate.logits_to_probs(logits, sampling).cpu()
-    tokens, parent_of = node_tokens.tolist(), parents.tolist()
+    tokens, parent_of = list(node_tokens), list(parents)
     path, node = [0], 0
     while True:
         for child in [c for c in range(1, len(tokens)) if parent_of[c] == node]:
@@ -421,7 +421,7 @@ def verifier_pvalue(verifier, sampling, draws=UNIT_DRAWS, seed=0):
     torch.manual_seed(seed)
     observed = collections.Counter()
     for _ in range(draws):
-        path, bonus = log(node_tokens, logits, parents, sampling)
+        path, bonus = log(node_tokens.tolist(), logits, parents.tolist(), sampling)
         observed[tuple(node_tokens[path[1:]].tolist()) + (bonus,)] += 1
     return g_test(observed, emitted_distribution(node_tokens, logits, children, sampling)), log.counts
 
@@ -539,7 +539,7 @@ def accept_sampled_with_one_hot_residual(node_tokens, logits, parents, sampling,
     after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
     norm(max(0, p - q))."""
     probs = generate.logits_to_probs(logits, sampling).cpu()
-    tokens, q = node_tokens.tolist(), draft_probs.cpu()
+    tokens, q = list(node_tokens), draft_probs.cpu()
     path = [0]
     for node in range(1, len(tokens)):  # a chain: node i's parent is node i - 1
         parent, x = node - 1, tokens[node]
@@ -585,7 +585,8 @@ def test_greedy_drafts_are_not_sampled(monkeypatch):
 
 # ---------------------------------------------------------------- compiled steps
 def test_compiled_steps_do_not_recompile(monkeypatch):
-    """After a warm-up generation, further generations (other prompt lengths, a follow-up turn, sampling)
+    """After a warm-up generation greedy and one sampling (the target's steps return greedy tokens or
+    logits, one graph each), further generations (other prompt lengths, a follow-up turn, sampling)
     reuse the compiled graphs: torch._dynamo errors on any recompile. Vanilla, a static tree and a chain.
     On CPU the attended cache length grows every step (a dynamic dimension), so this also checks that
     it is compiled once.
@@ -609,6 +610,7 @@ def test_compiled_steps_do_not_recompile(monkeypatch):
             session = Session(model, 64) if spec is None else Session(model, 64, head, parse_tree(spec))
             out, stats = session.generate(prompts[0], n, Sampling())  # warm-up: compiles every shape
             assert out == refs[0] and (spec is None or len(stats.accept_lengths) >= 2)
+            session.generate(prompts[0], n, Sampling(0.8, top_k=5))  # and the sampling variants of the steps
             with monkeypatch.context() as m:
                 m.setattr(torch._dynamo.config, "error_on_recompile", True)
                 for prompt, ref in zip(prompts[1:] + prompts[:1], refs[1:] + refs[:1]):
