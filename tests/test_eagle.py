@@ -611,8 +611,7 @@ def test_compiled_steps_do_not_recompile(monkeypatch):
             out, stats = session.generate(prompts[0], n, Sampling())  # warm-up: compiles every shape
             assert out == refs[0] and (spec is None or len(stats.accept_lengths) >= 2)
             session.generate(prompts[0], n, Sampling(0.8, top_k=5))  # and the sampling variants of the steps
-            with monkeypatch.context() as m:
-                m.setattr(torch._dynamo.config, "error_on_recompile", True)
+            with torch._dynamo.config.patch(error_on_recompile=True):
                 for prompt, ref in zip(prompts[1:] + prompts[:1], refs[1:] + refs[:1]):
                     assert session.generate(prompt, n, Sampling())[0] == ref
                 assert session.generate(follow_up, n, Sampling())[0] == ref_follow_up  # reuses the cache prefix
