@@ -28,8 +28,9 @@ Protocol:
 - peak memory is the process RSS high-water mark during each run (Linux: reset through
   /proc/self/clear_refs before the run; elsewhere the lifetime maximum), all models being resident.
 
-Writes <out>.json (metadata, per-run numbers, summary), <out>.md (tables), <out>-*.png (plots) and
-latest.md beside them. Default <out>: results/<date>-<machine> (results/quick/... with --quick).
+Writes the folder <out>: benchmark.json (metadata, per-run numbers, summary), benchmark.md (tables) and the
+plots speedup.png, speedup-dist.png and tau.png; paths under the repository are written relative to it.
+Default <out>: results/<date>-<machine>, or -2, -3, ... when taken (results/quick/... with --quick).
 """
 import argparse
 import collections
@@ -541,17 +542,21 @@ def default_out(info: dict, quick: bool) -> Path:
     stem = f"{date.today().isoformat()}-{machine_slug(info)}"
     folder = REPO_ROOT / "results" / ("quick" if quick else "")
     out, i = folder / stem, 2
-    while out.with_suffix(".json").exists():
+    while out.exists():
         out, i = folder / f"{stem}-{i}", i + 1
     return out
+
+
+def repo_relative(path) -> str:
+    """A path as the results files show it: relative to the repository root when under it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
 
 
 def head_record(head_dir: str, head: EagleHead) -> dict:
     """What a (loaded) head is, and its training budget from the training_record.json beside it."""
     head_dir = Path(head_dir)
-    shown = head_dir.resolve()
-    shown = shown.relative_to(REPO_ROOT) if shown.is_relative_to(REPO_ROOT) else shown
-    row = {"path": str(shown), "input_mode": head.input_mode,
+    row = {"path": repo_relative(head_dir), "input_mode": head.input_mode,
            "draft_vocab": None if head.draft_vocab is None else head.draft_vocab.numel()}
     record_path = head_dir / "training_record.json"
     if record_path.is_file():
@@ -715,7 +720,7 @@ def plots(result: dict, methods: list, out: Path) -> list:
 def save_figure(fig, out: Path, name: str) -> str:
     import matplotlib.pyplot as plt
 
-    path = out.parent / f"{out.name}-{name}.png"
+    path = out / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
@@ -764,7 +769,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefills (dynamic shapes)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", type=Path, help="output prefix (default: results/<date>-<machine>)")
+    p.add_argument("--out", type=Path, help="output folder (default: results/<date>-<machine>)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny random model and head, 2 prompts, 16 tokens, eager, no peers")
     args = p.parse_args(argv)
@@ -843,7 +848,7 @@ def run_benchmark(args, argv):
     device = args.device
     info = machine_info(device)
     out = args.out or default_out(info, args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from scripts.convert_gguf import ensure_default_model
@@ -986,15 +991,16 @@ def run_benchmark(args, argv):
     result = {
         "metadata": {
             "date": date.today().isoformat(), "command": command,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": {k: repo_relative(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "machine": info, "threads": torch.get_num_threads(), "git": git_state(),
-            "checkpoint": "tiny random model (--quick)" if args.quick else str(checkpoint),
+            "checkpoint": "tiny random model (--quick)" if args.quick else repo_relative(checkpoint),
             "transformers": transformers_version() if peers else None,
             "max_new_tokens": args.max_new_tokens, "max_seq_len": max_seq_len,
             "cache_len": {d: cache_len[d] for d in targets},
             "temperatures": args.temperatures, "datasets": {d: sum(i.dataset == d for i in items) for d in datasets},
             "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
-            "methods": [asdict(m) for m in methods], "setup": setup, "wall_s": time.perf_counter() - started,
+            "methods": [{**asdict(m), "head": m.head and repo_relative(m.head)} for m in methods],
+            "setup": setup, "wall_s": time.perf_counter() - started,
             "heads": [head_record(d, head) for d, head in {d: h for (d, _), h in heads.items()}.items()],
         },
         "summary": groups,
@@ -1003,14 +1009,12 @@ def run_benchmark(args, argv):
     plot_names = plots(result, methods, out)
     result["metadata"]["plots"] = plot_names
     result = json_safe(result)
-    out.with_suffix(".json").write_text(  # one line per run
+    (out / "benchmark.json").write_text(  # one line per run
         '{"metadata": ' + json.dumps(result["metadata"], indent=1, allow_nan=False) +
         ',\n"summary": ' + json.dumps(result["summary"], indent=1, allow_nan=False) +
         ',\n"runs": [\n' + ",\n".join(json.dumps(r, allow_nan=False) for r in result["runs"]) + "\n]}\n")
-    text = markdown(result, plot_names)
-    out.with_suffix(".md").write_text(text)
-    (out.parent / "latest.md").write_text(text)
-    print(f"wrote {out}.json, {out}.md, {len(plot_names)} plots and {out.parent / 'latest.md'}", file=sys.stderr)
+    (out / "benchmark.md").write_text(markdown(result, plot_names))
+    print(f"wrote benchmark.json, benchmark.md and {len(plot_names)} plots to {out}", file=sys.stderr)
     for g in groups:
         print(f"{g['dataset']} T={g['temperature']:g}, baseline {g['baseline']}:", file=sys.stderr)
         for name, s in g["methods"].items():

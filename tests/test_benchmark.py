@@ -23,7 +23,7 @@ def quick(tmp_path_factory):
     proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--quick", "--threads", "1", "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(out.with_suffix(".json").read_text())
+    return out, json.loads((out / "benchmark.json").read_text())
 
 
 def is_finite(x):
@@ -32,10 +32,11 @@ def is_finite(x):
 
 def test_quick_writes_every_file_and_metric(quick):
     out, result = quick
-    for path in [out.with_suffix(".md"), out.parent / "latest.md"] + \
-            [out.parent / f"{out.name}-{n}.png" for n in ("speedup", "speedup-dist", "tau")]:
-        assert path.is_file() and path.stat().st_size > 0, path
-    assert (out.parent / "latest.md").read_text() == out.with_suffix(".md").read_text()
+    plots = ["speedup.png", "speedup-dist.png", "tau.png"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(["benchmark.json", "benchmark.md"] + plots)
+    assert all((out / name).stat().st_size > 0 for name in plots)
+    text = (out / "benchmark.md").read_text()
+    assert all(f"![{name}]({name})" in text for name in plots)  # the plots beside it
     meta = result["metadata"]
     for key in ("machine", "threads", "command", "git", "max_new_tokens", "cache_len", "reference_method", "methods"):
         assert key in meta
@@ -45,8 +46,9 @@ def test_quick_writes_every_file_and_metric(quick):
         {f"eagle-{t}-{d}-eager" for t in QUICK_TREES for d in ("fp32", "bf16")}
     assert set(methods) == expected
     assert [h["input_mode"] for h in meta["heads"]] == ["shifted"]  # the quick head, recorded once
-    assert "## EAGLE heads" in out.with_suffix(".md").read_text()
-    assert out.with_suffix(".md").read_text().count("| method | decode | sample | draft | verify | accept | commit |") == 2
+    assert meta["plots"] == plots
+    assert "## EAGLE heads" in text
+    assert text.count("| method | decode | sample | draft | verify | accept | commit |") == 2
     assert len(result["runs"]) == len(methods) * 2 * 2 * 2  # methods x 2 questions x 2 turns x 2 temperatures
     assert [(g["dataset"], g["temperature"]) for g in result["summary"]] == [("mtbench", 0.0), ("mtbench", 1.0)]
     for g in result["summary"]:
@@ -248,6 +250,22 @@ def test_head_record_reads_the_training_budget():
     assert row["input_mode"] == "shifted" and row["draft_vocab"] == 16384
     assert row["steps"] == record["warm_start"]["total_steps"]  # all runs of a warm-started head
     assert row["tokens_seen"] > 0 and row["wall_s"] > 0 and len(row["heldout_top1"]) == 4
+
+
+def test_paths_under_the_repository_are_written_relative_to_it(tmp_path):
+    assert benchmark.repo_relative(generate.DEFAULT_HEAD) == "heads/SmolLM2-135M-Instruct-eagle"
+    assert benchmark.repo_relative(REPO_ROOT / "checkpoints" / "m" / "model.pth") == "checkpoints/m/model.pth"
+    assert benchmark.repo_relative(tmp_path) == str(tmp_path.resolve())  # outside it: absolute
+
+
+def test_default_out_is_a_new_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmark, "REPO_ROOT", tmp_path)
+    info = {"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"}
+    first = benchmark.default_out(info, quick=False)
+    assert first.parent == tmp_path / "results" and first.name.endswith("-amd-epyc-2cpu-avx2")
+    first.mkdir(parents=True)
+    assert benchmark.default_out(info, quick=False) == first.with_name(first.name + "-2")
+    assert benchmark.default_out(info, quick=True).parent == tmp_path / "results" / "quick"
 
 
 def test_cpu_isa_names_the_widest_matmul_instruction_set():
