@@ -1,5 +1,5 @@
 """Per-cycle overheads of EAGLE chain-1 on the int4 compiled default model (one thread), the figures the
-session-11 note and README quote:
+session-11 note and docs/measurements.md quote:
 1. draft top-1 by max against topk (eager, 16,384 draft logits);
 2. compiled verify (2 rows) returning greedy tokens (argmax in the graph) against logits + an eager argmax;
 3. compiled decode step with and without guard evaluation (set_stance skip_guard_eval_unsafe);
