@@ -240,9 +240,11 @@ class Session:
             head.bind(model.output.weight)
             self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
                                         dtype=model.output.weight.dtype)
-        self.tokens: list = []
-        self.target_len = 0
-        self.head_len = 0
+        self.reset()
+
+    def reset(self):
+        """Forget the cached conversation: the next generate prefills its whole prompt."""
+        self.tokens, self.target_len, self.head_len = [], 0, 0
 
     def _phase(self, stats: Stats, name: str, since: float) -> float:
         """Add the time since `since` to phase `name`; returns now. Host time: on CUDA a phase's kernels
@@ -569,6 +571,11 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
+    if args.quantize:
+        from quantize import QUANTIZED_NAME, quantized_checkpoint
+        if QUANTIZED_NAME.fullmatch(checkpoint.name):
+            raise UsageError(f"{checkpoint.name} is quantized already; drop --quantize or give the float model.pth")
+        checkpoint = quantized_checkpoint(checkpoint, args.quantize, args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}[args.dtype]
     model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     dtype = model.tok_embeddings.weight.dtype
@@ -602,9 +609,33 @@ def print_stats(stats: Stats, tree, label: str = ""):
     print(line, file=sys.stderr)
 
 
-def chat(session: Session, tokenizer, args, sampling: Sampling):
+def streamer(tokenizer):
+    """An on_tokens callback that prints the text of committed tokens as they come (stop tokens hidden)."""
     from tokenizer import StreamDecoder
 
+    decoder = StreamDecoder(tokenizer)
+
+    def stream(ids):
+        print(decoder.push([t for t in ids if t not in tokenizer.stop_ids]), end="", flush=True)
+    return stream
+
+
+def warm_up(session: Session, prompt: list, sampling: Sampling):
+    """Run one short generation so that torch.compile builds every graph now, and say how long it took and
+    how many graphs came from inductor's on-disk cache (a second run of the same command reuses them)."""
+    from torch._dynamo.utils import counters
+
+    print("Compiling the decode steps (warm-up) ...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    session.generate(prompt, 8, sampling)
+    session.reset()
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses else \
+        f"{misses} graphs built, {hits} from inductor's on-disk cache"
+    print(f"{time.perf_counter() - start:.0f} s ({reused})", file=sys.stderr)
+
+
+def chat(session: Session, tokenizer, args, sampling: Sampling):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Chat (empty line or Ctrl-D to quit)", file=sys.stderr)
     while True:
@@ -616,18 +647,12 @@ def chat(session: Session, tokenizer, args, sampling: Sampling):
             break
         messages.append({"role": "user", "content": user})
         prompt = tokenizer.encode_chat(messages)
-        decoder = StreamDecoder(tokenizer)
-
-        def stream(ids):
-            text = decoder.push([t for t in ids if t not in tokenizer.stop_ids])
-            print(text, end="", flush=True)
-
         budget = min(args.max_new_tokens, args.max_seq_len - len(prompt))
         if budget <= 0:
             raise UsageError(f"the conversation ({len(prompt)} tokens) fills --max_seq_len {args.max_seq_len}; "
                              "restart with a larger --max_seq_len")
-        out, stats = session.generate(prompt, budget, sampling, tokenizer.stop_ids, on_tokens=stream)
-        print()
+        out, stats = session.generate(prompt, budget, sampling, tokenizer.stop_ids, on_tokens=streamer(tokenizer))
+        print(flush=True)
         print_stats(stats, session.tree)
         messages.append({"role": "assistant", "content": tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])})
 
@@ -637,7 +662,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", default="Hello, my name is", help="prompt text")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
-    p.add_argument("--chat_template", action="store_true", help="wrap --prompt in the model's chat template")
+    p.add_argument("--raw", action="store_true", help="plain continuation of --prompt, without the chat template")
+    p.add_argument("--chat_template", action="store_true",
+                   help="wrap --prompt in the chat template (the default when the checkpoint has one)")
     p.add_argument("--system", help="system prompt for --chat / --chat_template")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--num_samples", type=int, default=1)
@@ -650,6 +677,8 @@ def parse_args(argv=None):
                    help="default: float32, or the dtype a quantized checkpoint was made for")
     p.add_argument("--max_seq_len", type=int, default=2048)
     p.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's; 1 is faster on a busy machine)")
+    p.add_argument("--quantize", choices=["int8", "int4"], help="run int8 / int4 weights, quantized from the "
+                   "float checkpoint on first use into a file beside it (quantize.py's, int4 with --quantize_lm_head)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
@@ -667,6 +696,8 @@ def parse_args(argv=None):
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise UsageError("--max_new_tokens and --num_samples must be >= 1")
+    if args.raw and (args.chat_template or args.chat):
+        raise UsageError("--raw (plain continuation) cannot go with --chat_template or --chat; drop one")
     if not args.chat and not args.prompt.strip():
         raise UsageError("the prompt is empty; give some text with --prompt")
     return args
@@ -679,20 +710,29 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    if args.compile or args.compile_prefill:
+    compiled = args.compile or args.compile_prefill
+    if compiled:
         compile_steps(args.device, args.compile_prefill)
     if args.chat:
-        return chat(Session(model, args.max_seq_len, head, tree), tokenizer, args, sampling)
+        session = Session(model, args.max_seq_len, head, tree)
+        if compiled:
+            warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling)
+        return chat(session, tokenizer, args, sampling)
+    templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
-    prompt = tokenizer.encode_chat(messages) if args.chat_template else tokenizer.encode(args.prompt, bos=True)
+    prompt = tokenizer.encode_chat(messages) if templated else tokenizer.encode(args.prompt, bos=True)
     # a cache no longer than this prompt needs: attention reads every cache slot
     session = Session(model, min(args.max_seq_len, len(prompt) + args.max_new_tokens), head, tree)
+    if compiled:
+        warm_up(session, prompt, sampling)
     for i in range(args.num_samples):
-        session.tokens = []  # each sample starts from a fresh prefill, so timings compare
-        out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids)
-        text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
-        print(text if args.chat_template else args.prompt + text)
+        session.reset()  # each sample starts from a fresh prefill, so timings compare
+        if not templated:
+            print(args.prompt, end="", flush=True)
+        out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids,
+                                      on_tokens=streamer(tokenizer))
+        print(flush=True)
         print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
 
 

@@ -33,8 +33,10 @@ torchao version}, "state_dict": the model's state dict}. `dequantized` turns any
 into a plain tensor (the EAGLE head's draft vocabulary takes rows of the LM head).
 """
 import argparse
+import logging
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -42,14 +44,28 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torchao
 from torch import Tensor
-from torchao.prototype.quantization.int4 import Int4OpaqueTensor, PrototypeInt4WeightOnlyConfig
-from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
-from torchao.quantization.granularity import PerRow
-from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor, Int8Tensor
 
 from model import CheckpointError, ModelArgs, Transformer
+
+
+class KnownImportNoise(logging.Filter):
+    """Drops two log lines that every import of torchao 0.18 under torch 2.13's CPU build prints and that
+    say nothing about this program: its CUDA-only extensions (mxfp8, cutlass sm90a) do not load without
+    CUDA, and torch deprecates torchao's register_constant() on an Enum. Every other record passes."""
+    NOISE = ("_C_mxfp8.", "_C_cutlass_90a.", "is an Enum subclass and is now natively supported")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(s in record.getMessage() for s in self.NOISE)
+
+
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).addFilter(KnownImportNoise())
+import torchao  # noqa: E402
+from torchao.prototype.quantization.int4 import Int4OpaqueTensor, PrototypeInt4WeightOnlyConfig  # noqa: E402
+from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_  # noqa: E402
+from torchao.quantization.granularity import PerRow  # noqa: E402
+from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor, Int8Tensor  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED_NAME = re.compile(r"model_(int8|int4)(?:\.g(\d+))?\.pth")  # what quantize.py writes
@@ -324,6 +340,23 @@ def check_metadata(path: Path, meta: dict, device_type: str, dtype: Optional[tor
         raise CheckpointError(f"{path.name} was quantized for {meta['dtype']} activations; run it with --dtype "
                               f"{meta['dtype']} or quantize again with --dtype {str(dtype).removeprefix('torch.')}")
     return handler
+
+
+def quantized_checkpoint(checkpoint: Path, mode: str, device: str = "cpu") -> Path:
+    """The file `python quantize.py --mode MODE [--quantize_lm_head for int4]` writes beside a float
+    `checkpoint` (int4: group size 32 with the LM head quantized too, the fastest measured; int8: float
+    LM head), made on first use with a one-line status message; later calls reuse it and say so."""
+    handler = handler_for(mode)
+    out = checkpoint.parent / handler.file_name
+    if out.is_file():
+        print(f"Using {mode} weights quantized earlier: {out.name}", file=sys.stderr)
+        return out
+    print(f"Quantizing {checkpoint.name} to {mode} (once) ...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=torch.bfloat16)
+    save_quantized(model, quantize_model(model, handler, quantize_lm_head=mode == "int4"), out)
+    print(f"{out.name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return out
 
 
 def main(argv=None):

@@ -103,6 +103,7 @@ class Tokenizer:
         self.stop_ids = {self.eos_id} | {i for i in map(self.token_to_id, STOP_TOKENS) if i is not None}
         # transformers' LlamaTokenizer adds BOS unless told not to; tokenizer.json models say so themselves.
         self.add_bos_token = config.get("add_bos_token", sp is not None)
+        self.has_own_chat_template = chat_template is not None  # else sentencepiece models get Vicuna's
         if chat_template is None and sp is not None:
             chat_template = VICUNA_TEMPLATE
         self.chat_template = None if chat_template is None else compile_chat_template(chat_template)

@@ -322,7 +322,7 @@ class OurRunner:
 
     def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
         use_steps(self.compiled_steps if self.method.compiled else None)
-        self.session.tokens = []
+        self.session.reset()
         out, stats = self.session.generate(prompt, max_new_tokens, sampling, stop_ids)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()

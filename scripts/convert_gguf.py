@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +76,7 @@ def gguf_state_dict(reader) -> dict:
 
     tensors = {}
     for t in reader.tensors:
-        weight = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
         if t.name in GLOBAL_NAMES:
             tensors[GLOBAL_NAMES[t.name]] = weight
             continue
@@ -120,8 +121,11 @@ def default_gguf_path() -> Path:
 def ensure_default_model() -> Path:
     """The default checkpoint's model.pth, converting the packaged GGUF the first time."""
     if not DEFAULT_CHECKPOINT.is_file():
-        print(f"Converting the default model to {DEFAULT_CHECKPOINT} (once) ...", file=sys.stderr)
+        print(f"Converting the default model's GGUF to {DEFAULT_CHECKPOINT.relative_to(REPO_ROOT)} (once) ...",
+              end=" ", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         convert_gguf(default_gguf_path(), DEFAULT_CHECKPOINT.parent)
+        print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return DEFAULT_CHECKPOINT
 
 

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from scipy import stats as scipy_stats
 
 import generate
 from eagle_head import EagleHead
-from generate import Sampling, Session, UsageError
+from generate import DEFAULT_HEAD, Sampling, Session, UsageError
 from model import ModelArgs, Transformer, causal_mask
 from tokenizer import Tokenizer
 from tree import parse_tree
@@ -299,7 +300,7 @@ def test_greedy_shipped_head(spec, n_prompts, shipped_head, default_model, defau
         accepts += stats.accept_lengths
     tau = (sum(accepts) + len(accepts)) / len(accepts)
     # A random head gives tau ~1.0; the shipped head (v6) measured 1.62 (chain-2, int4) on the 80 MT-bench
-    # first turns (results/2026-11-30-amd-epyc-2cpu-mtbench80-v6.md). This checks that it really
+    # first turns (results/2026-11-30-amd-epyc-2cpu-mtbench80-v6/benchmark.md). This checks that it really
     # speculates, not the speed targets.
     assert tau > 1.2, f"shipped head, tree {spec}: tau {tau:.2f} over {len(prompts)} prompts"
 
@@ -704,12 +705,13 @@ def test_chat_reuse_equals_fresh_session(spec):
 # ---------------------------------------------------------------- command line
 @pytest.fixture(scope="module")
 def cli_files(tmp_path_factory, default_checkpoint):
-    """A corrupt checkpoint (random bytes beside a real config.json), a random head for the default model
-    and a head of another hidden size."""
+    """A corrupt checkpoint (random bytes beside a real config.json), an empty file named as a quantized
+    one, a random head for the default model and a head of another hidden size."""
     root = tmp_path_factory.mktemp("cli")
     (root / "corrupt").mkdir()
     (root / "corrupt" / "model.pth").write_bytes(os.urandom(4096))
     (root / "corrupt" / "config.json").write_text((default_checkpoint.parent / "config.json").read_text())
+    (root / "model_int4.g32.pth").write_bytes(b"")  # refused by its name before it is read
     config = ModelArgs.from_checkpoint_dir(default_checkpoint.parent)
     torch.manual_seed(0)
     EagleHead.for_target(config).save(root / "head")
@@ -752,7 +754,7 @@ def test_cli_processes(cli_files):
     """Two real processes side by side: a corrupt checkpoint ends with exit status 1 and one 'error: ...'
     line on stderr, no traceback; a plain run succeeds."""
     procs = {"corrupt": run_cli("--checkpoint", cli_files / "corrupt" / "model.pth"),
-             "ok": run_cli("--prompt", "Hello", "--max_new_tokens", "8")}
+             "ok": run_cli("--raw", "--prompt", "Hello", "--max_new_tokens", "8")}
     (out, err), code = procs["corrupt"].communicate(timeout=600), procs["corrupt"].returncode
     assert_one_error_line(code, err, "corrupt checkpoint")
     assert "cannot be read" in err and out == ""
@@ -774,6 +776,8 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "missing head": ["--eagle", "--eagle_head", "{files}/nowhere"],
     "unknown tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "bushy-3"],
     "bad dynamic tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-8-4"],
+    "raw and chat template": ["--raw", "--chat_template"],
+    "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
 }
 
 
@@ -788,7 +792,7 @@ def test_cli_errors(case, cli_files, monkeypatch, capsys):
 
 def test_cli_eagle_prints_what_vanilla_prints(cli_files, monkeypatch, capsys):
     """Greedy --eagle (a random head, a chain) writes the same text as vanilla, and its statistics."""
-    argv = ["--prompt", "The owl", "--max_new_tokens", "8"]
+    argv = ["--raw", "--prompt", "The owl", "--max_new_tokens", "8"]
     code, vanilla_out, err = run_cli_in_process(argv, monkeypatch, capsys)
     assert code == 0, err
     code, eagle_out, err = run_cli_in_process(argv + ["--eagle", "--eagle_head", cli_files / "head", "--tree", "chain-3"],
@@ -796,6 +800,44 @@ def test_cli_eagle_prints_what_vanilla_prints(cli_files, monkeypatch, capsys):
     assert code == 0, err
     assert eagle_out == vanilla_out and vanilla_out.startswith("The owl")
     assert "tau" in err
+
+
+def test_cli_renders_the_chat_template_by_default(monkeypatch, capsys):
+    """The default instruct model has a chat template: a plain --prompt is rendered with it (the same
+    answer as --chat_template), and --raw continues the prompt text instead (printed first)."""
+    argv = ["--prompt", "List three fruits.", "--max_new_tokens", "12"]
+    runs = {flag: run_cli_in_process(argv + ([flag] if flag else []), monkeypatch, capsys)
+            for flag in (None, "--chat_template", "--raw")}
+    for flag, (code, out, err) in runs.items():
+        assert code == 0, f"{flag}: {err}"
+    assert runs[None][1] == runs["--chat_template"][1]
+    assert runs[None][1].strip() and not runs[None][1].startswith("List three fruits.")
+    assert runs["--raw"][1].startswith("List three fruits.") and runs["--raw"][1] != runs[None][1]
+
+
+STATUS_OR_STATS = re.compile(r"(Quantizing model\.pth to int4 \(once\) \.\.\. model_int4\.g32\.pth in \d+ s"
+                             r"|Using int4 weights quantized earlier: model_int4\.g32\.pth"
+                             r"|\d+ tokens in [\d.]+ s: [\d.]+ tokens/s, time to first token \d+ ms"
+                             r"|  tau .*|  ms per (cycle|step): .*)")
+
+
+def test_cli_quantized_run_writes_only_answer_and_statistics(tmp_path, default_checkpoint):
+    """Two fresh processes with --quantize int4 --eagle on a copy of the default model: the first
+    quantizes (one status line), the second reuses the file and says so; stderr holds nothing else
+    but the statistics (no import warnings from torchao or torch), stdout only the answer."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in default_checkpoint.parent.iterdir():
+        if not f.name.startswith("model_"):
+            (model_dir / f.name).symlink_to(f)
+    argv = ["--checkpoint", model_dir, "--quantize", "int4", "--eagle", "--eagle_head", DEFAULT_HEAD,
+            "--prompt", "List three fruits.", "--max_new_tokens", "8"]
+    for status in ("Quantizing", "Using"):
+        out, err = run_cli(*argv).communicate(timeout=600)
+        lines = err.splitlines()
+        assert lines[0].startswith(status) and all(STATUS_OR_STATS.fullmatch(line) for line in lines), err
+        assert out.strip() and "List three fruits." not in out
+    assert (model_dir / "model_int4.g32.pth").is_file()
 
 
 # ---------------------------------------------------------------- autograd
