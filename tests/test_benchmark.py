@@ -1,5 +1,6 @@
 """scripts/benchmark.py: --quick end to end (files, every metric present and finite), its numbers against
 counts made from the per-run cycle logs, and the eager/compiled step swapping (with a stand-in compiler)."""
+import importlib.util
 import json
 import math
 import subprocess
@@ -290,3 +291,22 @@ def test_quantized_precisions_differ_only_in_the_lm_head(tmp_path, precision, lm
     assert model.quantization["mode"] == precision[:4] and model.quantization["lm_head"] == lm_head_quantized
     assert isinstance(model.output, quantize.CPUKernelLinear) == lm_head_quantized
     assert isinstance(model.layers[0].attention.wqkv, quantize.CPUKernelLinear)
+
+
+def test_missing_llama_cpp_peer_is_skipped_with_its_install_command(tmp_path, monkeypatch, capsys, default_checkpoint):
+    """--peers adds llama.cpp's two methods; without llama-cpp-python (the test command never installs it)
+    the benchmark drops them, says how to install it, and runs the rest."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find_spec(name, *a))
+    threads = torch.get_num_threads()
+    try:
+        result = benchmark.main(["--questions", str(questions), "--modes", "eager", "--dtypes", "fp32", "--peers",
+                                 "--methods", "vanilla-fp32-eager", "llamacpp*", "--temperatures", "0",
+                                 "--max_new_tokens", "2", "--threads", "1", "--out", str(tmp_path / "t")])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert "llamacpp peers skipped: llama_cpp is not installed (pip install llama-cpp-python==" in err
+    assert {run["method"] for run in result["runs"]} == {"vanilla-fp32-eager"}
