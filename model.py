@@ -6,7 +6,8 @@ gpt-fast style: a preallocated static KV cache written at `input_pos`, RoPE prec
 Two things beyond plain decoding, both needed by EAGLE:
 - `forward` takes an arbitrary boolean mask over the cache and explicit rotary positions, so a draft
   tree can be verified in one call (a node sees the prefix and its own ancestors only);
-- it returns the post-final-norm hidden states (the EAGLE "feature") beside the logits.
+- it returns the post-final-norm hidden states (the EAGLE "feature") beside the logits, or, with
+  `feature_layers` set (EAGLE-3), the hidden states entering the chosen layers, concatenated.
 
 q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original);
 `scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it.
@@ -130,6 +131,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_len = 0
         self.max_batch_size = 0
+        # EAGLE-3's fused features: layer boundaries k (the residual stream entering layer k; k = n_layer:
+        # the last layer's output, before the final norm) whose hidden states forward returns,
+        # concatenated in this order, instead of the post-norm features. None: the post-norm features.
+        self.feature_layers: Optional[tuple] = None
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None):
         """(Re)allocate the KV caches and the rotary tables for `max_seq_len` positions."""
@@ -158,7 +163,8 @@ class Transformer(nn.Module):
         rope_pos: [T] rotary positions (default: input_pos); differs from the slot for tree nodes.
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
-        hidden states, the input of the LM head.
+        hidden states, the input of the LM head. With `feature_layers` set, features are instead the
+        hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
         if mask is None:
             mask = causal_mask(input_pos, self.max_seq_len)
@@ -166,10 +172,17 @@ class Transformer(nn.Module):
             rope_pos = input_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.tok_embeddings(idx)
-        for layer in self.layers:
+        taps = self.feature_layers
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            if taps is not None and i in taps:
+                tapped[i] = x
             x = layer(x, input_pos, cos, sin, mask)
         features = self.norm(x)
         selected = features if logits_at is None else features[:, logits_at]
+        if taps is not None:
+            tapped[len(self.layers)] = x
+            features = torch.cat([tapped[i] for i in taps], dim=-1)
         return self.output(selected), features
 
     @classmethod
