@@ -180,3 +180,136 @@ def ancestor_mask(parents: Tensor, max_depth: int):
         mask[torch.arange(n, device=parents.device), ancestor] = True
         ancestor = parents[ancestor]
     return mask, mask.sum(1) - 1
+
+
+# ---------------------------------------------------------------- tree auto
+# The static tree a measured profile favours: the head's acceptance model (acceptance.json beside the
+# head, written by `scripts/train_eagle.py eval`) and the machine's cost model (scripts/profile_costs.py)
+# in, the tree of highest predicted tokens/s out.
+#
+# Acceptance model: p[d-1][r] = P(the target's greedy token is the rank-r draft child of a node at depth
+# d - 1 | that node was accepted), the same for every node of that depth ("positional"), independent
+# between depths. A node is on the accepted path with probability prod p along its path, so
+# tau = 1 + sum of those products over the draft nodes (1: the bonus token).
+#
+# Why the greedy expansion is exact: a valid tree holds each node's parent and its lower-rank siblings.
+# A node's value (its path product) is <= its parent's (p <= 1) and, when p[d] does not increase with
+# rank, <= its lower-rank siblings'. So every prerequisite of a node is worth at least as much as the
+# node, the n most valuable nodes form a valid tree, and repeatedly adding the frontier node of highest
+# value (Sequoia's construction) yields exactly them: the highest tau over all trees of n nodes.
+# Capping the depth keeps that true (the nodes of depth <= D form a valid tree too). Where measured p
+# rises with rank (noise in deep, rare cells) the expansion is still valid, only not proven best.
+#
+# Cost: a tree of depth D costs verify(n nodes incl. the root) + one draft step per level 1..D-1 (rows =
+# the level's width; the root's children come from the previous cycle's head update) + the head update
+# (D + 1 rows) + the KV moves of the accepted path (not on a chain: its path is always in place) + a
+# fixed host overhead. The best tree for each (node count, depth cap) is the greedy one; auto_tree
+# evaluates tau / cost for every node count and every depth cap, and every chain (which saves the KV
+# moves), and keeps the best. With costs growing with rows and draft costs that do not depend on the
+# level width this search is exact (a tree is matched by the greedy tree of its size and depth, a chain
+# by itself: at least its tau, at most its cost); with width-dependent draft costs the greedy tree's level
+# widths are taken as they come (measured draft steps grow slowly with width).
+import heapq  # noqa: E402
+
+
+def path_value(path, p) -> float:
+    """Probability that the node `path` is on the accepted path: the product of p along it (depths or
+    ranks beyond p: probability 0)."""
+    value = 1.0
+    for d, r in enumerate(path):
+        value *= p[d][r] if d < len(p) and r < len(p[d]) else 0.0
+    return value
+
+
+def tree_tau(paths, p) -> float:
+    """Expected tokens per cycle (bonus included) of the tree `paths` under acceptance model p[d-1][r]."""
+    return 1.0 + sum(path_value(path, p) for path in paths)
+
+
+def accepted_depth(paths: set, ranks) -> int:
+    """Draft tokens a tree accepts (greedy) when the target's token at depth d is the draft's rank
+    ranks[d - 1] (a rank no node has: rejected there). paths: a set of tuples."""
+    node = ()
+    for r in ranks:
+        if node + (r,) not in paths:
+            break
+        node += (r,)
+    return len(node)
+
+
+def greedy_order(p, max_nodes: int, max_depth: int) -> list:
+    """Draft nodes (paths) in the order of the greedy expansion, at most max_nodes, depth <= max_depth:
+    the first n of them are the tree of highest tau with n draft nodes (see above). Stops at value 0."""
+    order, frontier = [], [(-path_value((0,), p), (0,))]
+    while frontier and len(order) < max_nodes:
+        neg_value, path = heapq.heappop(frontier)
+        if neg_value == 0:
+            break
+        order.append(list(path))
+        for new in (path[:-1] + (path[-1] + 1,), path + (0,)):  # its next sibling and its first child
+            if len(new) <= max_depth:
+                heapq.heappush(frontier, (-path_value(new, p), new))
+    return order
+
+
+def interpolate(points: dict, x: float) -> float:
+    """Piecewise-linear through {rows: ms} (keys int or str), extended linearly past the last two points."""
+    xs = sorted((int(k), v) for k, v in points.items())
+    if x <= xs[0][0]:
+        return xs[0][1]
+    for (x0, y0), (x1, y1) in zip(xs, xs[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = xs[-2], xs[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+@dataclass
+class CycleCosts:
+    """Milliseconds of the pieces of one cycle, as {rows: ms} measured points (scripts/profile_costs.py):
+    verify: the target's forward over n rows (a vanilla decode step is verify(1) + decode_overhead_ms);
+    draft: a head draft step over the m nodes of a level; update: the head's update forward over r rows;
+    move: the accepted path's KV moves (r rows); overhead_ms: the rest of a cycle's host work."""
+    verify: dict
+    draft: dict
+    update: dict
+    move: dict
+    overhead_ms: float = 0.0
+    decode_overhead_ms: float = 0.0
+
+    @classmethod
+    def from_profile(cls, profile: dict, precision: str) -> "CycleCosts":
+        """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON."""
+        c = profile["precisions"][precision]
+        return cls(c["verify_ms"], c["draft_ms"], c["update_ms"], c["move_ms"],
+                   profile.get("overhead_ms", 0.0), profile.get("decode_overhead_ms", 0.0))
+
+    @property
+    def decode_ms(self) -> float:
+        return interpolate(self.verify, 1) + self.decode_overhead_ms
+
+    def cycle_ms(self, paths) -> float:
+        widths = [0] * max(len(q) for q in paths)
+        for q in paths:
+            widths[len(q) - 1] += 1
+        depth, is_chain = len(widths), all(w == 1 for w in widths)
+        return (interpolate(self.verify, len(paths) + 1) + sum(interpolate(self.draft, w) for w in widths[:-1])
+                + interpolate(self.update, depth + 1) + (0.0 if is_chain else interpolate(self.move, depth + 1))
+                + self.overhead_ms)
+
+
+def auto_tree(p, costs: CycleCosts, max_nodes: int = 64):
+    """The static tree of at most max_nodes draft nodes with the highest predicted tokens/s,
+    tau / cycle_ms, under acceptance model p[d-1][r] and `costs`. Returns (paths for build_tree, its
+    predicted tau, its predicted speedup over vanilla = (tau / cycle_ms) * decode_ms). A speedup below 1
+    says vanilla decoding is predicted faster than any tree."""
+    best = None
+    chains = [chain(n) for n in range(1, min(len(p), max_nodes) + 1)]
+    for depth_cap in range(1, len(p) + 1):
+        order = greedy_order(p, max_nodes, depth_cap)
+        for paths in [order[:n] for n in range(1, len(order) + 1)] + (chains if depth_cap == 1 else []):
+            tau = tree_tau(paths, p)
+            speedup = tau / costs.cycle_ms(paths) * costs.decode_ms
+            if best is None or speedup > best[2] + 1e-12:
+                best = (paths, tau, speedup)
+    return best

@@ -1,0 +1,166 @@
+"""tree.auto_tree and its pieces: the greedy expansion against brute force over every tree of up to 7
+draft nodes, the shape of the chosen tree under flat and steep cost curves, and the predicted tau
+against a Monte-Carlo simulation of greedy acceptance. Synthetic profiles only; no model runs."""
+import json
+import random
+
+import pytest
+
+import tree
+from tree import CycleCosts, accepted_depth, auto_tree, build_tree, greedy_order, interpolate, tree_tau
+
+
+def forests(k: int):
+    """Every ordered forest of k nodes, as paths of child ranks (Catalan(k) of them)."""
+    if k == 0:
+        yield []
+        return
+    for first in range(1, k + 1):
+        for below in forests(first - 1):
+            for rest in forests(k - first):
+                yield [(0,)] + [(0,) + q for q in below] + [(q[0] + 1,) + q[1:] for q in rest]
+
+
+def random_acceptance(rng: random.Random, depth: int = 7, ranks: int = 7) -> list:
+    """p[d][r], decreasing in rank, each row summing to < 1 (the rest: the target's token is not drafted)."""
+    p = []
+    for _ in range(depth):
+        row = sorted((rng.random() ** 2 for _ in range(ranks)), reverse=True)
+        scale = rng.uniform(0.3, 0.97) / sum(row)
+        p.append([v * scale for v in row])
+    return p
+
+
+def costs(verify, draft=0.0, update=0.0, move=0.0, overhead=0.0) -> CycleCosts:
+    """A CycleCosts from functions of the row count (or constants), sampled at 1..65 rows."""
+    f = {name: (v if callable(v) else (lambda n, v=v: v)) for name, v in
+         dict(verify=verify, draft=draft, update=update, move=move).items()}
+    return CycleCosts(*({n: f[name](n) for n in range(1, 66)} for name in ("verify", "draft", "update", "move")),
+                      overhead_ms=overhead)
+
+
+def test_forests_are_every_valid_tree():
+    catalan = [1, 1, 2, 5, 14, 42, 132, 429]
+    for k in range(8):
+        trees = list(forests(k))
+        assert len(trees) == catalan[k] == len({frozenset(t) for t in trees})
+        for paths in trees[:50] if k else []:
+            build_tree([list(q) for q in paths])  # valid: parents present, ranks contiguous
+
+
+def test_greedy_order_is_the_best_tau_for_every_size():
+    """Under a rank-decreasing positional model, the first n nodes of the greedy expansion have the
+    highest tau of all trees of n nodes (brute force up to 7), also under a depth cap."""
+    rng = random.Random(0)
+    all_trees = {k: list(forests(k)) for k in range(1, 8)}
+    for _ in range(20):
+        p = random_acceptance(rng)
+        for cap in (1, 2, 3, 7):
+            order = greedy_order(p, 7, cap)
+            assert all(len(q) <= cap for q in order)
+            for k in range(1, 8):
+                best = max(tree_tau(t, p) for t in all_trees[k] if max(map(len, t)) <= cap)
+                assert tree_tau(order[:k], p) == pytest.approx(best, abs=1e-12)
+                build_tree(order[:k])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_auto_tree_matches_brute_force(seed):
+    """With draft costs that do not depend on the level width, auto_tree's tree has the highest predicted
+    speedup over all trees of up to 7 draft nodes."""
+    rng = random.Random(seed)
+    p = random_acceptance(rng)
+    decode = 10.0
+    slope, curve = rng.uniform(0.0, 3.0), rng.uniform(1.0, 1.6)  # from nearly flat to steep
+    c = costs(lambda n: decode + slope * (n - 1) ** curve, draft=rng.uniform(0.2, 3.0), update=rng.uniform(0.5, 2),
+              move=lambda n: 0.05 * n, overhead=rng.uniform(0, 1))
+    paths, tau, speedup = auto_tree(p, c, max_nodes=7)
+    brute = max((tree_tau(t, p) / c.cycle_ms(t) * c.decode_ms, t) for k in range(1, 8) for t in forests(k))
+    assert speedup == pytest.approx(brute[0], rel=1e-12)
+    assert tau == pytest.approx(tree_tau(paths, p)) and speedup == pytest.approx(tau / c.cycle_ms(paths) * decode)
+    build_tree(paths)
+
+
+def test_flat_costs_choose_a_wide_deep_tree():
+    p = [[0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01]] * 8
+    paths, tau, speedup = auto_tree(p, costs(10.0, draft=0.1, update=0.5), max_nodes=64)
+    t = build_tree(paths)
+    widths = [b - a for a, b, _ in t.levels]
+    assert len(paths) >= 48 and t.max_depth >= 5 and widths[0] >= 4 and max(widths) >= 8
+    assert speedup > 2 and tau > 3
+
+
+def test_steep_costs_choose_a_short_chain():
+    """Each node costing most of a decode step: chain-1 (or nothing pays: speedup < 1)."""
+    p = [[0.6, 0.15, 0.08, 0.05]] * 8
+    paths, tau, speedup = auto_tree(p, costs(lambda n: 10.0 + 6.0 * (n - 1), draft=1.5, update=1.2))
+    assert paths == [[0]] and tau == pytest.approx(1.6)
+    assert speedup == pytest.approx(1.6 * 10 / (16 + 1.2))  # < 1: the caller should decode plainly
+    # cheaper second row, dearer after (the int4 kernel's shape): a chain still
+    paths, _, speedup = auto_tree(p, costs(lambda n: 10.0 * (1, 1.1, 1.4, 1.6)[n - 1] if n <= 4 else 4.0 * n,
+                                           draft=1.5, update=1.2))
+    assert all(r == 0 for q in paths for r in q) and len(paths) <= 2 and speedup > 1
+
+
+def test_tau_matches_monte_carlo_acceptance():
+    """Draw the target's token rank at each depth from p (rank len(p[d]) = none of the drafts), walk the
+    chosen tree greedily: the mean committed tokens per cycle agree with tree_tau within 4 standard errors."""
+    rng = random.Random(1)
+    p = [[a * 0.97 ** d for a in (0.62, 0.14, 0.07, 0.03, 0.02, 0.01)] for d in range(8)]
+    paths, tau, _ = auto_tree(p, costs(lambda n: 10.0 + 0.3 * n, draft=0.5, update=1.0), max_nodes=40)
+    assert len(paths) > 5 and len({q[-1] for q in paths}) > 1  # a real tree, not a chain
+    nodes = {tuple(q) for q in paths}
+    choices = [list(range(len(row) + 1)) for row in p]
+    weights = [row + [1 - sum(row)] for row in p]
+    samples = [1 + accepted_depth(nodes, [rng.choices(c, w)[0] for c, w in zip(choices, weights)])
+               for _ in range(40000)]
+    mean = sum(samples) / len(samples)
+    se = (sum((s - mean) ** 2 for s in samples) / len(samples)) ** 0.5 / len(samples) ** 0.5
+    assert abs(mean - tau) < 4 * se
+
+
+def test_accepted_depth_and_interpolate():
+    nodes = {(0,), (1,), (0, 0), (0, 1), (0, 0, 0)}
+    assert accepted_depth(nodes, [0, 0, 0, 0]) == 3
+    assert accepted_depth(nodes, [0, 1, 0]) == 2
+    assert accepted_depth(nodes, [1, 0]) == 1
+    assert accepted_depth(nodes, [2, 0]) == 0
+    points = {"1": 10.0, "2": 11.0, "4": 15.0}
+    assert interpolate(points, 1) == 10.0 and interpolate(points, 3) == 13.0 and interpolate(points, 6) == 19.0
+    assert interpolate(points, 0) == 10.0
+
+
+def test_cycle_cost_counts_levels_and_moves():
+    c = costs(lambda n: 10.0 + n, draft=lambda m: 1.0 + 0.1 * m, update=lambda r: 0.5 * r, move=0.25, overhead=0.5)
+    # chain-2: verify 3 rows, one draft step of 1 row, update 3 rows, no move
+    assert c.cycle_ms([[0], [0, 0]]) == pytest.approx(13 + 1.1 + 1.5 + 0.5)
+    # [0], [1], [0, 0], [1, 0]: verify 5, a draft step over the 2 nodes of level 1, update 3, a move
+    assert c.cycle_ms([[0], [1], [0, 0], [1, 0]]) == pytest.approx(15 + 1.2 + 1.5 + 0.25 + 0.5)
+    assert c.decode_ms == 11.0
+
+
+def test_from_profile_reads_a_profile_costs_json():
+    rows = {"1": 10.0, "2": 11.5, "4": 14.0, "64": 90.0}
+    profile = {"overhead_ms": 0.4, "decode_overhead_ms": 0.1, "precisions": {"int4": {
+        "verify_ms": rows, "draft_ms": {"1": 1.0, "64": 4.0}, "update_ms": {"2": 1.1, "9": 1.3},
+        "move_ms": {"2": 0.2, "9": 0.3}}}}
+    c = CycleCosts.from_profile(json.loads(json.dumps(profile)), "int4")
+    assert c.decode_ms == pytest.approx(10.1)
+    assert c.cycle_ms([[0]]) == pytest.approx(11.5 + 1.1 + 0.4)
+    paths, tau, speedup = auto_tree([[0.6, 0.1], [0.5, 0.1]], c)
+    assert paths and speedup == pytest.approx(tau / c.cycle_ms(paths) * c.decode_ms)
+
+
+def test_shipped_acceptance_model_is_well_formed():
+    """The shipped head's acceptance.json (scripts/train_eagle.py eval) gives probabilities per depth that
+    sum to at most 1, from enough nodes, and a tree build_tree accepts."""
+    path = tree.__file__.rsplit("/", 1)[0] + "/heads/SmolLM2-135M-Instruct-eagle/acceptance.json"
+    try:
+        model = json.loads(open(path).read())
+    except FileNotFoundError:
+        pytest.skip("no acceptance.json beside the shipped head")
+    p = model["p"]
+    assert len(p) >= 4 and all(0 <= v <= 1 for row in p for v in row) and all(sum(row) <= 1 + 1e-9 for row in p)
+    assert min(model["nodes"]) >= 500
+    paths, tau, _ = auto_tree(p, costs(10.0, draft=0.5, update=1.0), max_nodes=32)
+    assert build_tree(paths).num_nodes == 33 and tau > 2
