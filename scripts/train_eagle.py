@@ -476,21 +476,103 @@ def cmd_train(args):
         torch.distributed.destroy_process_group()
 
 
-@torch.no_grad()
-def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, steps: int = 3) -> dict:
-    """Evaluate a head on held-out sequences ({"tokens", "loss_mask"} lists), with features
-    recomputed by one plain fp32 forward of the target per sequence (as at inference)."""
+def heldout_records(target: Transformer, sequences: list) -> list:
+    """Held-out sequences ({"tokens", "loss_mask"} lists) as records, with features recomputed by one
+    plain forward of the target per sequence (as at inference)."""
     records = []
     for seq in sequences:
         tokens = torch.tensor(seq["tokens"])
         target.setup_caches(1, len(tokens))
         _, features = target(tokens[None], torch.arange(len(tokens)), logits_at=slice(-1, None))
         records.append({"tokens": tokens, "loss_mask": torch.tensor(seq["loss_mask"]), "features": features[0]})
-    return evaluate(target, head, records, "cpu", steps)
+    return records
+
+
+@torch.no_grad()
+def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, steps: int = 3) -> dict:
+    """Evaluate a head on held-out sequences ({"tokens", "loss_mask"} lists), with features
+    recomputed by one plain fp32 forward of the target per sequence (as at inference)."""
+    return evaluate(target, head, heldout_records(target, sequences), "cpu", steps)
+
+
+# ---------------------------------------------------------------- acceptance model (for tree.auto_tree)
+ACCEPTANCE_DEPTH = 8  # depths 1..8
+ACCEPTANCE_RANKS = 8  # sibling ranks 0..7
+REPLAY_TREES = ("chain-1", "chain-2", "chain-3", "[[0], [1], [0, 0]]", "paper")  # tree.parse_paths specs
+
+
+@torch.no_grad()
+def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int):
+    """For the draft chain that starts at each position j of a sequence and follows its tokens (the
+    target's own greedy answer, so the path a tree would accept), the rank of the target's greedy token
+    among the head's k best drafts at depth 1..depth (k: not among them). Depth d's input carries d - 1
+    predicted features, as in chained_accuracy (same cache layout). Returns ranks [depth, L] and
+    counted [depth, L] (inside the sequence and an answer token)."""
+    embeds, feats, true_next, mask = head_inputs(target, head, record, "cpu")
+    L = embeds.shape[0]
+    head.max_seq_len = 0
+    head.setup_caches(L * depth)
+    slots, total = torch.arange(L), torch.arange(L * depth)
+    target_arg = target.output(true_next).argmax(-1)
+    pred = head(embeds[None], feats[None], slots, mask=causal_mask(slots, head.max_seq_len))[0]
+    ranks, counted = [], []
+    for s in range(depth):
+        idx = (slots + s).clamp(max=L - 1)
+        top = head.token_ids(head.draft_logits(pred).topk(k, dim=-1).indices)  # [L, k]
+        hit = top == target_arg[idx, None]
+        ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.tensor(k)))
+        counted.append((slots + s < L) & mask[idx])
+        if s == depth - 1:
+            break
+        nxt = (slots + s + 1).clamp(max=L - 1)
+        start = slots[:, None]
+        see = (total[None, :] < L) & (total[None, :] <= start)
+        step_of, start_of = total // L, total % L
+        see |= (step_of[None, :] >= 1) & (step_of[None, :] <= s + 1) & (start_of[None, :] == start)
+        pred = head(embeds[nxt][None], pred[None], (s + 1) * L + slots, mask=see, rope_pos=nxt)[0]
+    head.attention.kv_cache = None
+    return torch.stack(ranks), torch.stack(counted)
+
+
+def acceptance_model(target: Transformer, head: EagleHead, records: list, depth: int = ACCEPTANCE_DEPTH,
+                     k: int = ACCEPTANCE_RANKS) -> dict:
+    """p[d-1][r] = P(target's greedy token == the head's rank-r draft at a node of depth d | the node's
+    parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
+    token among the k best drafts; nodes[d-1] = how many such nodes. Also a replay of EAGLE cycles over
+    the sequences for a few trees (each cycle starts after the previous one's bonus token), against the
+    tau the positional model predicts: how much the per-token model misses by."""
+    from tree import accepted_depth, parse_paths, tree_tau
+
+    hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
+    replays = {name: [] for name in REPLAY_TREES}
+    for r in records:
+        ranks, counted = draft_ranks(target, head, r, depth, k)
+        alive = torch.ones(ranks.shape[1], dtype=torch.bool)
+        for s in range(depth):
+            here = alive & counted[s]
+            nodes[s] += here.sum()
+            hits[s] += torch.bincount(ranks[s][here], minlength=k + 1)[:k]
+            alive = here & (ranks[s] < k)
+        for name in REPLAY_TREES:
+            tree_paths = {tuple(p) for p in parse_paths(name)}
+            tree_depth = max(len(p) for p in tree_paths)
+            j = int(counted[0].float().argmax())  # the prefill's token is the first root
+            while j < ranks.shape[1] and counted[tree_depth - 1, j]:
+                accepted = accepted_depth(tree_paths, ranks[:tree_depth, j].tolist())
+                replays[name].append(accepted + 1)
+                j += accepted + 1
+    p = (hits.double() / nodes.clamp(min=1)[:, None].double()).tolist()
+    replay = {name: {"cycles": len(t), "tau": round(sum(t) / max(1, len(t)), 4),
+                     "positional_tau": round(tree_tau(parse_paths(name), p), 4)} for name, t in replays.items()}
+    return {"p": [[round(v, 5) for v in row] for row in p], "nodes": nodes.tolist(), "replay": replay}
 
 
 def cmd_eval(args):
-    """Held-out accuracy of a saved head; ships the sequences and the numbers beside the head."""
+    """Held-out accuracy of a saved head; ships the sequences and the numbers beside the head, and its
+    acceptance model (acceptance.json, what tree.auto_tree reads). The sequences come from the data
+    step's eval shards under --data, or, without them, from the heldout-*.json shipped with the head."""
+    import datetime
+    import hashlib
     from scripts.convert_gguf import ensure_default_model
 
     if args.threads:
@@ -500,17 +582,41 @@ def cmd_eval(args):
     head = EagleHead.load(args.head)
     head.bind(target.output.weight)
     head_dir = Path(args.head)
-    results = {}
+    results, sequences_of = {}, {}
     for name in args.sets:
         records = load_records(Path(args.data), f"eval-{name}")[: args.records]
-        sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records]
-        (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
+        if records:
+            sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records]
+            (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
+        else:
+            sequences = json.loads((head_dir / f"heldout-{name}.json").read_text())[: args.records]
+        sequences_of[name] = sequences
         results[name] = heldout_accuracy(target, head, sequences)
         print(name, json.dumps(results[name]), file=sys.stderr)
     record_path = head_dir / "training_record.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record["heldout_eval"] = {"sequences": args.records, "features": "fp32 target forward", **results}
     record_path.write_text(json.dumps(record, indent=1, default=str))
+    if args.acceptance_set:
+        start = time.perf_counter()
+        sequences = sequences_of.get(args.acceptance_set) or \
+            json.loads((head_dir / f"heldout-{args.acceptance_set}.json").read_text())[: args.records]
+        model = acceptance_model(target, head, heldout_records(target, sequences))
+        weights = next(f for f in (head_dir / "model.safetensors", head_dir / "pytorch_model.bin") if f.is_file())
+        out = {"what": "p[d-1][r]: P(target greedy token == the head's rank-r draft at a node of depth d | "
+                       "its parent path accepted); nodes[d-1]: nodes counted at depth d",
+               "command": "python " + " ".join(sys.argv),
+               "set": f"heldout-{args.acceptance_set}.json", "sequences": len(sequences),
+               "answer_tokens": sum(sum(s["loss_mask"]) for s in sequences),
+               "checkpoint": os.path.relpath(checkpoint, Path(__file__).resolve().parent.parent),
+               "features": f"target forward ({Path(checkpoint).name})",
+               "head": str(head_dir), "head_training_steps": record.get("steps"),
+               "head_weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()[:16],
+               "date": datetime.date.today().isoformat(), "wall_s": round(time.perf_counter() - start, 1),
+               **model}
+        path = Path(args.acceptance_out or head_dir / "acceptance.json")
+        path.write_text(json.dumps(out, indent=1))
+        print("acceptance", json.dumps(model["p"]), json.dumps(model["replay"]), f"-> {path}", file=sys.stderr)
 
 
 def main():
@@ -569,6 +675,9 @@ def main():
     e.add_argument("--sets", nargs="+", default=["generated", "sharegpt"])
     e.add_argument("--records", type=int, default=20)
     e.add_argument("--threads", type=int)
+    e.add_argument("--acceptance_set", default="generated",
+                   help="held-out set of the acceptance model (acceptance.json); '' to skip it")
+    e.add_argument("--acceptance_out", help="where the acceptance model goes (default: HEAD/acceptance.json)")
     args = p.parse_args()
     {"data": cmd_data, "train": cmd_train, "eval": cmd_eval}[args.command](args)
 
