@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, cache_dtype,
-                   causal_mask, halves_to_interleaved, interleaved_to_halves, precompute_rope)
+                   causal_mask, halves_to_interleaved, interleaved_to_halves, load_state, precompute_rope)
 
 
 INPUT_MODES = ("shifted", "unshifted", "feature", "token")
@@ -217,16 +217,11 @@ class EagleHead(nn.Module):
         input_mode = config_dict.get("eagle_input_mode", "shifted")
         if input_mode not in INPUT_MODES:
             raise CheckpointError(f"{config_path}: eagle_input_mode {input_mode!r} is not one of {', '.join(INPUT_MODES)}")
-        head = cls(config, fc_bias, input_mode)
+        head = load_state(lambda: cls(config, fc_bias, input_mode), ours, f"EAGLE head in {head_dir}")
         if (head_dir / "draft_vocab.json").is_file():
             head.draft_vocab = torch.tensor(json.loads((head_dir / "draft_vocab.json").read_text()))
             if head.draft_vocab.numel() == 0 or int(head.draft_vocab.max()) >= config.vocab_size:
                 raise CheckpointError(f"{head_dir / 'draft_vocab.json'} holds token ids outside the vocabulary")
-        try:
-            head.load_state_dict(ours, strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"EAGLE head in {head_dir} does not match its config.json: "
-                                  f"{str(e).splitlines()[-1].strip()}") from None
         return head.to(device=device, dtype=dtype).eval()
 
 

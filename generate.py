@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from model import CheckpointError, Transformer, causal_mask
+from model import DTYPES, CheckpointError, Transformer, causal_mask
 from tree import DynamicTree, Tree, ancestor_mask, parse_tree
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -571,13 +571,16 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
-    if args.quantize:
-        from quantize import QUANTIZED_NAME, quantized_checkpoint
-        if QUANTIZED_NAME.fullmatch(checkpoint.name):
-            raise UsageError(f"{checkpoint.name} is quantized already; drop --quantize or give the float model.pth")
-        checkpoint = quantized_checkpoint(checkpoint, args.quantize, args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}[args.dtype]
-    model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
+    dtype = DTYPES.get(args.dtype)
+    if args.quantize or checkpoint.name.startswith("model_int"):  # torchao is imported for quantized files only
+        import quantize
+        if args.quantize:
+            if quantize.QUANTIZED_NAME.fullmatch(checkpoint.name):
+                raise UsageError(f"{checkpoint.name} is quantized already; drop --quantize or give the float model.pth")
+            checkpoint = quantize.quantized_checkpoint(checkpoint, args.quantize, args.device)
+        model = quantize.load_quantized(checkpoint, args.device, dtype)
+    else:
+        model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     dtype = model.tok_embeddings.weight.dtype
     tokenizer = Tokenizer.load(checkpoint.parent)
     head = None
@@ -588,9 +591,8 @@ def load(args):
             raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
         head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
-        if getattr(model, "quantization", None) is not None:  # torchao is imported for quantized files only
-            from quantize import quantize_head_like
-            quantize_head_like(head, model)
+        if model.quantization is not None:
+            quantize.quantize_head_like(head, model)
         if isinstance(tree, Tree):
             tree.to(args.device)
     return model, tokenizer, head, tree

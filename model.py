@@ -11,6 +11,9 @@ Two things beyond plain decoding, both needed by EAGLE:
 
 q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original);
 `scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it.
+
+This file imports nothing else of the repository; `load_state` is the one loader every checkpoint
+format (model.pth, quantize.py's files, EAGLE heads) goes through.
 """
 import json
 import math
@@ -29,6 +32,7 @@ class CheckpointError(ValueError):
 
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -131,6 +135,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_len = 0
         self.max_batch_size = 0
+        self.quantization: Optional[dict] = None  # quantize.py's metadata when the weights are quantized
         # EAGLE-3's fused features: layer boundaries k (the residual stream entering layer k; k = n_layer:
         # the last layer's output, before the final norm) whose hidden states forward returns,
         # concatenated in this order, instead of the post-norm features. None: the post-norm features.
@@ -187,37 +192,52 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, checkpoint_path, device="cpu", dtype=None) -> "Transformer":
-        """Load `model.pth` (or a `model_int8.pth` / `model_int4.g<N>.pth` from quantize.py) and the
-        `config.json` beside it. dtype None: float32, or the dtype a quantized file was made for."""
+        """Load `model.pth` and the `config.json` beside it, in `dtype` (default float32). quantize.py's
+        files (`model_int8.pth`, `model_int4.g<N>.pth`) load with quantize.load_quantized."""
         checkpoint_path = Path(checkpoint_path)
         if not checkpoint_path.is_file():
             raise CheckpointError(f"{checkpoint_path} not found")
-        if checkpoint_path.name.startswith("model_int"):  # quantize.py's files; torchao loads only for them
-            from quantize import load_quantized
-            return load_quantized(checkpoint_path, device, dtype)
+        if checkpoint_path.name.startswith("model_int"):
+            raise CheckpointError(f"{checkpoint_path} is quantized; load it with quantize.load_quantized")
         config = ModelArgs.from_checkpoint_dir(checkpoint_path.parent)
         try:
             state = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as e:
             raise CheckpointError(f"{checkpoint_path} cannot be read ({type(e).__name__}); convert it again") from None
-        if config.tie_embeddings and "tok_embeddings.weight" in state:
-            state["output.weight"] = state["tok_embeddings.weight"]
-        with torch.device("meta"):
-            model = cls(config)
-        try:
-            model.load_state_dict(state, assign=True, strict=True)
-        except RuntimeError as e:
-            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-            raise CheckpointError(f"{checkpoint_path} does not match its config.json: {first}") from None
-        if config.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
+        model = cls.from_state(config, state, checkpoint_path)
         return model.to(device=device, dtype=dtype or torch.float32).eval()
+
+    @classmethod
+    def from_state(cls, config: ModelArgs, state: dict, source, tied: Optional[bool] = None,
+                   requires_grad: bool = True) -> "Transformer":
+        """A model holding the tensors of `state` (no copies); tied: the LM head shares the embedding's
+        matrix (default: as the config says)."""
+        tied = config.tie_embeddings if tied is None else tied
+        if tied and "tok_embeddings.weight" in state:
+            state = {**state, "output.weight": state["tok_embeddings.weight"]}
+        model = load_state(lambda: cls(config).requires_grad_(requires_grad), state, source)
+        if tied:
+            model.output.weight = model.tok_embeddings.weight
+        return model
 
     def state_dict_for_save(self):
         state = self.state_dict()
         if self.config.tie_embeddings:
             state.pop("output.weight")
         return state
+
+
+def load_state(build, state: dict, source) -> nn.Module:
+    """The module `build()` makes, built on the meta device, holding the tensors of `state`; a state that
+    does not fit it becomes one line: "<source> does not match its config.json: <torch's first complaint>"."""
+    with torch.device("meta"):
+        module = build()
+    try:
+        module.load_state_dict(state, assign=True, strict=True)
+    except RuntimeError as e:
+        lines = str(e).splitlines()
+        raise CheckpointError(f"{source} does not match its config.json: {lines[min(1, len(lines) - 1)].strip()}") from None
+    return module
 
 
 class TransformerBlock(nn.Module):

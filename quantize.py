@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import CheckpointError, ModelArgs, Transformer
+from model import DTYPES, CheckpointError, ModelArgs, Transformer
 
 
 class KnownImportNoise(logging.Filter):
@@ -67,7 +67,6 @@ from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, qua
 from torchao.quantization.granularity import PerRow  # noqa: E402
 from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor, Int8Tensor  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZED_NAME = re.compile(r"model_(int8|int4)(?:\.g(\d+))?\.pth")  # what quantize.py writes
 
 
@@ -295,20 +294,8 @@ def load_quantized(path: Path, device="cpu", dtype=None) -> Transformer:
         raise CheckpointError(f"{path} is not a checkpoint written by quantize.py; quantize model.pth again")
     meta = saved["quantization"]
     handler = check_metadata(path, meta, torch.device(device).type, dtype)
-    state = dict(saved["state_dict"])
-    tied = config.tie_embeddings and not meta["lm_head"]
-    if tied:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.requires_grad_(False)
-    try:
-        model.load_state_dict(state, assign=True, strict=True)
-    except RuntimeError as e:
-        lines = str(e).splitlines()
-        raise CheckpointError(f"{path} does not match its config.json: {lines[min(1, len(lines) - 1)].strip()}") from None
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
+    model = Transformer.from_state(config, saved["state_dict"], path, config.tie_embeddings and not meta["lm_head"],
+                                   requires_grad=False)
     model.quantization = meta
     for name in linears_to_quantize(model, meta["lm_head"]):
         if not handler.is_quantized(model.get_submodule(name).weight):

@@ -115,7 +115,7 @@ def test_quantized_logits_agree_with_float(quantized, float_logits, held_out):
 
 def test_save_then_load_is_bit_identical(quantized, held_out):
     mode, model, path = quantized
-    loaded = Transformer.from_checkpoint(path, dtype=DTYPE)
+    loaded = quantize.load_quantized(path, dtype=DTYPE)
     prompt, answer = held_out[0]
     ids = torch.tensor(prompt + answer)[None, :64]
     for m in (model, loaded):
@@ -196,7 +196,7 @@ def tiny_checkpoint(tmp_path):
 
 def one_line_error(path, **kwargs) -> str:
     with pytest.raises(CheckpointError) as e:
-        Transformer.from_checkpoint(path, **kwargs)
+        quantize.load_quantized(path, **kwargs)
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -206,7 +206,7 @@ def test_quantized_lm_head_is_an_untied_copy_and_drafts(tiny_checkpoint, mode, n
     """--quantize_lm_head: the embedding keeps its float matrix, and EAGLE drafts through the
     quantized LM head, greedy output still equal to vanilla."""
     quantize.main(["--checkpoint_path", str(tiny_checkpoint), "--mode", mode, "--quantize_lm_head"])
-    model = Transformer.from_checkpoint(tiny_checkpoint.parent / name, dtype=DTYPE)
+    model = quantize.load_quantized(tiny_checkpoint.parent / name, dtype=DTYPE)
     float_model = Transformer.from_checkpoint(tiny_checkpoint, dtype=DTYPE)
     assert torch.equal(model.tok_embeddings.weight, float_model.tok_embeddings.weight)
     assert type(model.output.weight) is not type(model.tok_embeddings.weight)
