@@ -23,10 +23,9 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from model import DTYPES, CheckpointError, Transformer, causal_mask
+from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
 from tree import DynamicTree, Tree, ancestor_mask, parse_tree
 
-REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 
 
@@ -559,8 +558,7 @@ def accept_sampling(tokens: list, logits: Tensor, parents: list, sampling: Sampl
 # ---------------------------------------------------------------- command line
 def load(args):
     """Target, tokenizer and (with --eagle) head and tree, as the arguments ask."""
-    from scripts.convert_gguf import DEFAULT_CHECKPOINT, ensure_default_model
-    from tokenizer import Tokenizer
+    from tokenizer import Tokenizer, ensure_default_model
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")

@@ -10,13 +10,15 @@ Two things beyond plain decoding, both needed by EAGLE:
   `feature_layers` set (EAGLE-3), the hidden states entering the chosen layers, concatenated.
 
 q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original);
-`scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it.
+`scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it; GGUF files store it too
+(`save_gguf_checkpoint`; tokenizer.py adds the tokenizer and prepares the default model from its GGUF).
 
 This file imports nothing else of the repository; `load_state` is the one loader every checkpoint
 format (model.pth, quantize.py's files, EAGLE heads) goes through.
 """
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -33,6 +35,8 @@ class CheckpointError(ValueError):
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REPO_ROOT = Path(__file__).resolve().parent
+DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct" / "model.pth"
 
 
 @dataclass
@@ -338,3 +342,71 @@ def halves_to_interleaved(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
 
 def interleaved_to_halves(w: Tensor, n_heads: int, head_dim: int) -> Tensor:
     return w.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+# ---------------------------------------------------------------- GGUF (llama architecture)
+GGUF_LAYER_NAMES = {  # GGUF tensor name after "blk.N." -> ours after "layers.N."
+    "attn_norm.weight": "attention_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attn_output.weight": "attention.wo.weight", "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_down.weight": "feed_forward.w2.weight", "ffn_up.weight": "feed_forward.w3.weight",
+}
+GGUF_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+              "output.weight": "output.weight"}
+
+
+def gguf_config(reader) -> dict:
+    """A HF-style LlamaConfig dict from the metadata of a `gguf.GGUFReader`."""
+    def field(key, default=None):
+        return reader.fields[key].contents() if key in reader.fields else default
+
+    if field("general.architecture") != "llama":
+        raise CheckpointError(f"GGUF architecture {field('general.architecture')!r} is not supported; "
+                              "only 'llama' GGUF files convert")
+    n_head = int(field("llama.attention.head_count"))
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": int(field("llama.embedding_length")),
+        "intermediate_size": int(field("llama.feed_forward_length")),
+        "num_hidden_layers": int(field("llama.block_count")), "num_attention_heads": n_head,
+        "num_key_value_heads": int(field("llama.attention.head_count_kv", n_head)),
+        "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(field("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field("llama.context_length")),
+        "vocab_size": len(field("tokenizer.ggml.tokens")),
+        "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def gguf_state_dict(reader) -> dict:
+    """Our state dict from a GGUF's tensors, dequantized to float32 (gguf's dequantize); q, k and v fuse
+    into wqkv. GGUF keeps llama q/k rows interleaved, as we do, so nothing is permuted."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    tensors = {}
+    for t in reader.tensors:
+        weight = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # a writable copy
+        if t.name in GGUF_NAMES:
+            tensors[GGUF_NAMES[t.name]] = weight
+        else:
+            _, layer, rest = t.name.split(".", 2)
+            tensors[f"layers.{layer}.{GGUF_LAYER_NAMES.get(rest, rest)}"] = weight
+    state = {}
+    for name, weight in tensors.items():
+        if name.endswith("attn_q.weight"):
+            prefix = name[: -len("attn_q.weight")]
+            state[prefix + "attention.wqkv.weight"] = torch.cat(
+                [weight, tensors[prefix + "attn_k.weight"], tensors[prefix + "attn_v.weight"]])
+        elif not name.endswith(("attn_k.weight", "attn_v.weight")):
+            state[name] = weight
+    return state
+
+
+def save_gguf_checkpoint(reader, out_dir: Path) -> Path:
+    """Write config.json and model.pth (atomically: a half-written model.pth never exists) from a GGUF."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(gguf_config(reader), indent=2))
+    tmp = out_dir / f"model.pth.tmp{os.getpid()}"
+    torch.save(gguf_state_dict(reader), tmp)
+    return tmp.rename(out_dir / "model.pth")

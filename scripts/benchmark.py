@@ -222,7 +222,7 @@ def build_quick_checkpoint(out_dir: Path):
     high but not perfect, so every metric is defined. Saved and loaded through the real formats."""
     tokenizer_dir = REPO_ROOT / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        from scripts.convert_gguf import ensure_default_model
+        from tokenizer import ensure_default_model
         tokenizer_dir = ensure_default_model().parent
     tokenizer = Tokenizer.load(tokenizer_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -883,7 +883,7 @@ def run_benchmark(args, argv):
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint
     if checkpoint is None:
-        from scripts.convert_gguf import ensure_default_model
+        from tokenizer import ensure_default_model
         checkpoint = ensure_default_model()
     if checkpoint.is_dir():
         checkpoint = checkpoint / "model.pth"

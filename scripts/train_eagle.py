@@ -169,7 +169,7 @@ def generated_shard_name(skip: int, min_prompt_len: int) -> str:
 
 
 def cmd_data(args):
-    from scripts.convert_gguf import ensure_default_model
+    from tokenizer import ensure_default_model
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     checkpoint = args.checkpoint or ensure_default_model()
@@ -344,7 +344,7 @@ def evaluate(target, head, records, device, steps=3):
 
 def cmd_train(args):
     from tqdm import tqdm
-    from scripts.convert_gguf import ensure_default_model
+    from tokenizer import ensure_default_model
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -573,7 +573,7 @@ def cmd_eval(args):
     step's eval shards under --data, or, without them, from the heldout-*.json shipped with the head."""
     import datetime
     import hashlib
-    from scripts.convert_gguf import ensure_default_model
+    from tokenizer import ensure_default_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from scripts.convert_gguf import ensure_default_model
+from tokenizer import ensure_default_model
 
 torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # never more threads than cores we may use
 
