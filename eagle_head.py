@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, cache_dtype,
@@ -54,8 +53,7 @@ class EagleHead(nn.Module):
         self.feed_forward = FeedForward(config)
         self.max_seq_len = 0
         self.draft_vocab: Optional[Tensor] = None  # token ids the draft may propose (None: all)
-        self.lm_weight: Optional[Tensor] = None  # the target's LM head rows for draft_vocab (bind)
-        self.quantized_with = None  # a quantize.py handler: bind() quantizes lm_weight with it too
+        self.__dict__["lm_head"] = None  # bind(): the target's LM head rows for draft_vocab (no submodule)
 
     @classmethod
     def for_target(cls, target_config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted") -> "EagleHead":
@@ -103,27 +101,25 @@ class EagleHead(nn.Module):
         return own_tokens if self.input_mode == "unshifted" else next_tokens
 
     def bind(self, target_lm_weight: Tensor):
-        """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
-        weight = target_lm_weight
-        if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized tensor subclass
-            from quantize import dequantized  # torchao's int4 tensors have no dequantize()
-            weight = dequantized(weight)
-        weight = weight.to(self.fc.weight.dtype)
-        if self.draft_vocab is None:
-            self.lm_weight = weight.detach()
-        else:
+        """Draft through the target's LM head: `lm_head` becomes a linear over its rows of the draft
+        vocabulary (a copy when that is a subset). They are the target's weights, not the head's, so no
+        submodule: state dicts, optimizers and .to() leave them out. The weight must be a plain tensor (a
+        quantized target's float rows come through quantize.quantize_head_like, which may also swap in a
+        quantized linear); a Session binds a head that is not bound yet."""
+        if type(target_lm_weight) not in (Tensor, nn.Parameter):
+            raise TypeError("EagleHead.bind takes a plain float weight; bind a quantized target's LM head "
+                            "with quantize.quantize_head_like")
+        weight = target_lm_weight.detach().to(self.fc.weight.dtype)
+        if self.draft_vocab is not None:
             self.draft_vocab = self.draft_vocab.to(weight.device)
-            self.lm_weight = weight.detach()[self.draft_vocab].contiguous()
-        if self.quantized_with is not None:
-            from quantize import QuantizeError, quantized_weight
-            try:
-                self.lm_weight = quantized_weight(self.lm_weight, self.quantized_with)
-            except QuantizeError:  # a draft vocabulary the int4 kernel cannot take stays in float
-                pass
+            weight = weight[self.draft_vocab].contiguous()
+        lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        lm_head.weight = nn.Parameter(weight, requires_grad=False)
+        self.__dict__["lm_head"] = lm_head
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary; `token_ids` maps their indices to token ids."""
-        return F.linear(hidden, self.lm_weight)
+        return self.lm_head(hidden)
 
     def token_ids(self, index: Tensor) -> Tensor:
         return index if self.draft_vocab is None else self.draft_vocab[index]
@@ -237,3 +233,308 @@ def read_weights(head_dir: Path) -> dict:
                               "download or train it again") from None
     raise CheckpointError(f"no pytorch_model.bin or model.safetensors in {head_dir}")
 
+
+
+# ---------------------------------------------------------------- EAGLE-3
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # EAGLE's and SGLang's, vLLM's
+
+
+def default_feature_layers(n_layer: int) -> tuple:
+    """EAGLE-3's low, middle and high layer boundaries of an n_layer target: the hidden states entering
+    layers 2, n_layer // 2 and n_layer - 3 (what the reference, SGLang and vLLM capture by default)."""
+    return (2, n_layer // 2, n_layer - 3)
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head (arXiv 2503.01840), with EagleHead's interface, so generation drives either.
+
+    Differences from EagleHead, all behind the same calls:
+    - `features` is the target's fused hidden states [B, T, feature_dim = len(feature_layers) * dim]
+      (the residual stream entering the layers `feature_layers`, as model.Transformer returns them when
+      its `feature_layers` is set to this head's) after a target forward (the prompt, a commit), but the
+      head's own output hidden [B, T, dim] at a draft step; forward tells them apart by width and maps
+      only the fused ones through `fc` (feature_dim -> dim, no bias).
+    - The decoder layer's attention reads concat(input_norm(embed(t_{i+1})), hidden_norm(h)), 2 * dim
+      wide; the residual is h itself (hidden_norm(h) for heads whose config sets norm_before_residual);
+      then post_attention_norm + MLP. forward returns the layer's output before the final `norm`: what
+      the next draft step is fed.
+    - Its own final `norm` and `lm_head` over a reduced draft vocabulary: draft index i is token id
+      i + d2t[i] (d2t None: the whole vocabulary). `bind` takes nothing from the target; the token
+      embedding is still the target's.
+    - `feature_layers` None (a checkpoint that names no layers) means the target's default boundaries;
+      `check_fits` settles them.
+    - It is trained on the target distribution only (no feature regression), unrolled over its own
+      outputs (training-time test, scripts/train_eagle.py).
+
+    Checkpoints use the official EAGLE-3 layout (yuhuili/EAGLE3-*, which SGLang and vLLM read):
+    config.json with architectures ["LlamaForCausalLMEagle3"] and draft_vocab_size; weights fc.weight,
+    midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
+    midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, norm.weight, lm_head.weight,
+    d2t (int64 offsets) and t2d (bool over the target vocabulary), both absent for a full draft
+    vocabulary; no embed_tokens. q/k rows are HF's half-split rotary layout, permuted on load and save
+    as for EagleHead.
+    """
+
+    input_mode = "shifted"  # EAGLE's pairing (f_i with t_{i+1}); the ablation modes are EagleHead's only
+
+    def __init__(self, config: ModelArgs, feature_layers: Optional[tuple] = None,
+                 draft_vocab: Optional[Tensor] = None, norm_before_residual: bool = False):
+        super().__init__()
+        self.config = config
+        self.feature_layers = None if feature_layers is None else checked_layers(feature_layers)
+        self.norm_before_residual = norm_before_residual
+        dim = config.dim
+        n_fused = 3 if feature_layers is None else len(self.feature_layers)
+        self.fc = nn.Linear(n_fused * dim, dim, bias=False)
+        self.input_norm = RMSNorm(dim, config.norm_eps)
+        self.hidden_norm = RMSNorm(dim, config.norm_eps)
+        self.attention = Attention(config, bias=False)
+        self.attention.wqkv = nn.Linear(2 * dim, self.attention.wqkv.out_features, bias=False)
+        self.post_attention_norm = RMSNorm(dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+        self.norm = RMSNorm(dim, config.norm_eps)
+        n_draft = config.vocab_size if draft_vocab is None else len(draft_vocab)
+        self.lm_head = nn.Linear(dim, n_draft, bias=False)
+        ids = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
+        d2t = None if ids is None else ids - torch.arange(n_draft, device=ids.device)
+        self.register_buffer("d2t", d2t)  # [draft vocab] int64 offsets; None: the whole vocabulary
+        self.max_seq_len = 0
+        self.quantized_with = None  # set by quantize.quantize_head (lm_head is one of the quantized linears)
+
+    @classmethod
+    def for_target(cls, target_config: ModelArgs, draft_vocab: Optional[Tensor] = None,
+                   feature_layers: Optional[tuple] = None) -> "Eagle3Head":
+        """A fresh head for a target: one layer of its dimensions and rope_theta, reading the default
+        layer boundaries unless told otherwise; draft_vocab: token ids (None: all)."""
+        config = ModelArgs(**{**asdict(target_config), "n_layer": 1, "attention_bias": False, "rope_scaling": None,
+                              "tie_embeddings": False})
+        return cls(config, feature_layers or default_feature_layers(target_config.n_layer), draft_vocab)
+
+    setup_caches = EagleHead.setup_caches  # the same KV cache and rotary tables (they read fc, config, attention)
+    setup_rope = EagleHead.setup_rope
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target features this head reads (what a caller's feature buffer holds)."""
+        return self.fc.in_features
+
+    @property
+    def draft_vocab(self) -> Optional[Tensor]:
+        """The token ids of the draft vocabulary in draft-index order (None: all tokens)."""
+        return None if self.d2t is None else self.token_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))
+
+    def forward(self, token_embeds: Tensor, features: Tensor, input_pos: Tensor,
+                mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None) -> Tensor:
+        """token_embeds [B, T, dim]: embeddings of t_{i+1} (the target's embedding); features: the target's
+        fused hidden states at position i [B, T, feature_dim], or the head's own output for the position
+        before [B, T, dim] (a draft step). Returns the output hidden [B, T, dim], before the final norm."""
+        if features.shape[-1] != self.config.dim:
+            features = self.fc(features)
+        if mask is None:
+            mask = causal_mask(input_pos, self.max_seq_len)
+        if rope_pos is None:
+            rope_pos = input_pos
+        hidden = self.hidden_norm(features)
+        x = torch.cat([self.input_norm(token_embeds), hidden], dim=-1)
+        residual = hidden if self.norm_before_residual else features
+        h = residual + self.attention(x, input_pos, self.rope_cos[rope_pos], self.rope_sin[rope_pos], mask)
+        return h + self.feed_forward(self.post_attention_norm(h))
+
+    def pair_tokens(self, next_tokens, own_tokens):
+        """EAGLE's shifted pairing: feature f_i goes with t_{i+1}."""
+        return next_tokens
+
+    def bind(self, target_lm_weight: Tensor):
+        """Nothing to take from the target: the head has its own LM head (EagleHead's interface)."""
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """Logits over the draft vocabulary [..., draft vocab]; `token_ids` maps their indices to token ids."""
+        return self.lm_head(self.norm(hidden))
+
+    def token_ids(self, index: Tensor) -> Tensor:
+        """Token ids of draft indices: index + d2t[index]."""
+        return index if self.d2t is None else index + self.d2t[index]
+
+    def check_fits(self, target_config: ModelArgs, vocab_size: int):
+        """Refuse a head made for another target; a head that names no layers takes the target's defaults."""
+        if self.config.dim != target_config.dim:
+            raise CheckpointError(f"EAGLE-3 head hidden size {self.config.dim} does not fit the target's "
+                                  f"hidden size {target_config.dim}; use a head trained for this model")
+        if self.config.vocab_size != vocab_size:
+            raise CheckpointError(f"EAGLE-3 head vocabulary {self.config.vocab_size} does not fit the target's "
+                                  f"vocabulary {vocab_size}; use a head trained for this model")
+        layers = self.feature_layers or default_feature_layers(target_config.n_layer)
+        if len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > target_config.n_layer:
+            raise CheckpointError(f"EAGLE-3 head reads layers {list(layers)}, which a {target_config.n_layer}-layer "
+                                  "target does not have; use a head trained for this model")
+        if len(layers) * target_config.dim != self.fc.in_features:
+            raise CheckpointError(f"EAGLE-3 head fuses {self.fc.in_features // target_config.dim} layers, not the "
+                                  f"{len(layers)} it names; its checkpoint is inconsistent")
+        self.feature_layers = checked_layers(layers)
+
+    # ---- official EAGLE-3 checkpoint layout ----
+    def save(self, out_dir, safetensors: bool = False):
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        config = {
+            "architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama",
+            "hidden_size": c.dim, "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
+            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
+            "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "draft_vocab_size": self.lm_head.out_features,
+            "hidden_act": "silu", "torch_dtype": "float32", "head_dim": c.head_dim, "tie_word_embeddings": False,
+        }
+        if c.rope_scaling is not None:
+            config["rope_scaling"] = c.rope_scaling
+        if self.norm_before_residual:
+            config["norm_before_residual"] = True
+        if self.feature_layers is not None:
+            config.update(layer_ids_config(self.feature_layers))
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v.contiguous() for k, v in self.official_state_dict().items()}
+        if safetensors:
+            from safetensors.torch import save_file
+            save_file(state, out_dir / "model.safetensors")
+        else:
+            torch.save(state, out_dir / "pytorch_model.bin")
+
+    def official_state_dict(self) -> dict:
+        c, a = self.config, self.attention
+        q, k, v = a.wqkv.weight.detach().split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim,
+                                                c.n_local_heads * c.head_dim])
+        state = {
+            "fc.weight": self.fc.weight,
+            "midlayer.self_attn.q_proj.weight": interleaved_to_halves(q, c.n_head, c.head_dim),
+            "midlayer.self_attn.k_proj.weight": interleaved_to_halves(k, c.n_local_heads, c.head_dim),
+            "midlayer.self_attn.v_proj.weight": v,
+            "midlayer.self_attn.o_proj.weight": a.wo.weight,
+            "midlayer.mlp.gate_proj.weight": self.feed_forward.w1.weight,
+            "midlayer.mlp.up_proj.weight": self.feed_forward.w3.weight,
+            "midlayer.mlp.down_proj.weight": self.feed_forward.w2.weight,
+            "midlayer.hidden_norm.weight": self.hidden_norm.weight,
+            "midlayer.input_layernorm.weight": self.input_norm.weight,
+            "midlayer.post_attention_layernorm.weight": self.post_attention_norm.weight,
+            "norm.weight": self.norm.weight,
+            "lm_head.weight": self.lm_head.weight,
+        }
+        state = {name: t.detach().float().cpu() for name, t in state.items()}
+        if self.d2t is not None:
+            state["d2t"] = self.d2t.detach().cpu()
+            state["t2d"] = torch.zeros(c.vocab_size, dtype=torch.bool).index_fill_(0, self.draft_vocab.cpu(), True)
+        return state
+
+    @classmethod
+    def load(cls, head_dir, device="cpu", dtype=torch.float32) -> "Eagle3Head":
+        head_dir = Path(head_dir)
+        config_dict = read_head_config(head_dir)
+        try:
+            config = ModelArgs.from_config({**config_dict, "architectures": ["LlamaForCausalLM"]})
+            n_draft = int(config_dict.get("draft_vocab_size") or config.vocab_size)
+            feature_layers = layer_ids_from_config(config_dict)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{head_dir / 'config.json'} is not a valid EAGLE-3 head config ({e})") from None
+        config.n_layer, config.attention_bias, config.tie_embeddings = 1, False, False
+        target_dim = config_dict.get("target_hidden_size") or config.dim
+        if target_dim != config.dim:
+            raise CheckpointError(f"EAGLE-3 head in {head_dir} is {config.dim} wide for a {target_dim}-wide target "
+                                  "(target_hidden_size); only heads as wide as their target are supported")
+        for key in ("norm_before_fc", "fc_norm"):
+            if config_dict.get(key):
+                raise CheckpointError(f"EAGLE-3 head in {head_dir} sets {key}, which is not supported")
+        state = read_weights(head_dir)
+        c = config
+        try:
+            wqkv = torch.cat([
+                halves_to_interleaved(state["midlayer.self_attn.q_proj.weight"], c.n_head, c.head_dim),
+                halves_to_interleaved(state["midlayer.self_attn.k_proj.weight"], c.n_local_heads, c.head_dim),
+                state["midlayer.self_attn.v_proj.weight"]])
+            ours = {
+                "fc.weight": state["fc.weight"], "attention.wqkv.weight": wqkv,
+                "attention.wo.weight": state["midlayer.self_attn.o_proj.weight"],
+                "feed_forward.w1.weight": state["midlayer.mlp.gate_proj.weight"],
+                "feed_forward.w3.weight": state["midlayer.mlp.up_proj.weight"],
+                "feed_forward.w2.weight": state["midlayer.mlp.down_proj.weight"],
+                "hidden_norm.weight": state["midlayer.hidden_norm.weight"],
+                "input_norm.weight": state["midlayer.input_layernorm.weight"],
+                "post_attention_norm.weight": state["midlayer.post_attention_layernorm.weight"],
+                "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"],
+            }
+        except KeyError as e:
+            raise CheckpointError(f"EAGLE-3 head in {head_dir} lacks weight {e.args[0]}; is it an EAGLE-3 head?") from None
+        except RuntimeError as e:  # q/k rows the config's heads cannot split
+            raise CheckpointError(f"EAGLE-3 head in {head_dir} does not match its config.json ({e})") from None
+        draft_vocab = draft_vocab_from_offsets(state, n_draft, config.vocab_size, head_dir)
+        if feature_layers is None and state["fc.weight"].shape[-1] != 3 * config.dim:
+            raise CheckpointError(f"EAGLE-3 head in {head_dir} fuses {state['fc.weight'].shape[-1] // config.dim} "
+                                  "layers but its config.json names none (eagle_aux_hidden_state_layer_ids)")
+        if draft_vocab is not None:
+            ours["d2t"] = state["d2t"].long()
+        head = load_state(lambda: cls(config, feature_layers, draft_vocab, bool(config_dict.get("norm_before_residual"))),
+                          ours, f"EAGLE-3 head in {head_dir}")
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def checked_layers(layers) -> tuple:
+    """Layer boundaries in increasing order: the order SGLang and vLLM concatenate them in."""
+    layers = tuple(sorted(int(k) for k in layers))
+    if len(layers) < 2 or len(set(layers)) != len(layers) or min(layers) < 0:
+        raise ValueError(f"EAGLE-3 feature layers must be two or more distinct layer boundaries >= 0, got {list(layers)}")
+    return layers
+
+
+def layer_ids_config(layers: tuple) -> dict:
+    """config.json keys naming the layer boundaries, for both loaders' readings: vLLM reads the top-level
+    key as boundaries; SGLang reads eagle_config's as "output of layer k" (boundary k + 1) when its first
+    id is 1 and as boundaries otherwise (sglang#25454), so the default (2, ...) is written (1, ...) there."""
+    sglang = [k - 1 for k in layers] if layers[0] == 2 else list(layers)
+    return {"eagle_aux_hidden_state_layer_ids": list(layers),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True}}
+
+
+def layer_ids_from_config(config: dict) -> Optional[tuple]:
+    """The layer boundaries a head config names (the top-level key first, as vLLM; eagle_config's as
+    SGLang reads it), or None: the target's defaults."""
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        return checked_layers(config["eagle_aux_hidden_state_layer_ids"])
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return None
+    return checked_layers([k + 1 for k in ids] if ids[0] == 1 else ids)
+
+
+def draft_vocab_from_offsets(state: dict, n_draft: int, vocab_size: int, head_dir: Path) -> Optional[Tensor]:
+    """The draft vocabulary's token ids (draft id + d2t[draft id]) of a checkpoint, checked against t2d;
+    None when the draft vocabulary is the whole vocabulary in order."""
+    if "d2t" not in state:
+        if n_draft != vocab_size:
+            raise CheckpointError(f"EAGLE-3 head in {head_dir} drafts {n_draft} of {vocab_size} tokens "
+                                  "but has no d2t to map them")
+        return None
+    d2t = state["d2t"].long()
+    ids = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() != n_draft or ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != n_draft:
+        raise CheckpointError(f"EAGLE-3 head in {head_dir}: d2t does not map its {n_draft} draft tokens "
+                              f"to distinct token ids below {vocab_size}")
+    if "t2d" in state:
+        t2d = state["t2d"].bool()
+        if t2d.numel() != vocab_size or int(t2d.sum()) != n_draft or not bool(t2d[ids].all()):
+            raise CheckpointError(f"EAGLE-3 head in {head_dir}: t2d does not mark the token ids d2t maps to")
+    return None if n_draft == vocab_size and bool((d2t == 0).all()) else ids
+
+
+def read_head_config(head_dir: Path) -> dict:
+    config_path = head_dir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"no EAGLE head at {head_dir} (config.json missing); "
+                              "train one with scripts/train_eagle.py or fetch one with scripts/download.py")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path} is not a valid EAGLE head config ({e})") from None
+
+
+def load_head(head_dir, device="cpu", dtype=torch.float32):
+    """An EAGLE-1/2 head (EagleHead) or an EAGLE-3 head (Eagle3Head), as its config.json's architectures say."""
+    architectures = read_head_config(Path(head_dir)).get("architectures") or []
+    cls = Eagle3Head if any(a in EAGLE3_ARCHITECTURES for a in architectures) else EagleHead
+    return cls.load(head_dir, device=device, dtype=dtype)
