@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, cache_dtype,
@@ -54,8 +53,7 @@ class EagleHead(nn.Module):
         self.feed_forward = FeedForward(config)
         self.max_seq_len = 0
         self.draft_vocab: Optional[Tensor] = None  # token ids the draft may propose (None: all)
-        self.lm_weight: Optional[Tensor] = None  # the target's LM head rows for draft_vocab (bind)
-        self.quantized_with = None  # a quantize.py handler: bind() quantizes lm_weight with it too
+        self.__dict__["lm_head"] = None  # bind(): the target's LM head rows for draft_vocab (no submodule)
 
     @classmethod
     def for_target(cls, target_config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted") -> "EagleHead":
@@ -103,27 +101,25 @@ class EagleHead(nn.Module):
         return own_tokens if self.input_mode == "unshifted" else next_tokens
 
     def bind(self, target_lm_weight: Tensor):
-        """Keep the target LM head rows of the draft vocabulary (a copy when it is a subset)."""
-        weight = target_lm_weight
-        if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized tensor subclass
-            from quantize import dequantized  # torchao's int4 tensors have no dequantize()
-            weight = dequantized(weight)
-        weight = weight.to(self.fc.weight.dtype)
-        if self.draft_vocab is None:
-            self.lm_weight = weight.detach()
-        else:
+        """Draft through the target's LM head: `lm_head` becomes a linear over its rows of the draft
+        vocabulary (a copy when that is a subset). They are the target's weights, not the head's, so no
+        submodule: state dicts, optimizers and .to() leave them out. The weight must be a plain tensor (a
+        quantized target's float rows come through quantize.quantize_head_like, which may also swap in a
+        quantized linear); a Session binds a head that is not bound yet."""
+        if type(target_lm_weight) not in (Tensor, nn.Parameter):
+            raise TypeError("EagleHead.bind takes a plain float weight; bind a quantized target's LM head "
+                            "with quantize.quantize_head_like")
+        weight = target_lm_weight.detach().to(self.fc.weight.dtype)
+        if self.draft_vocab is not None:
             self.draft_vocab = self.draft_vocab.to(weight.device)
-            self.lm_weight = weight.detach()[self.draft_vocab].contiguous()
-        if self.quantized_with is not None:
-            from quantize import QuantizeError, quantized_weight
-            try:
-                self.lm_weight = quantized_weight(self.lm_weight, self.quantized_with)
-            except QuantizeError:  # a draft vocabulary the int4 kernel cannot take stays in float
-                pass
+            weight = weight[self.draft_vocab].contiguous()
+        lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        lm_head.weight = nn.Parameter(weight, requires_grad=False)
+        self.__dict__["lm_head"] = lm_head
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary; `token_ids` maps their indices to token ids."""
-        return F.linear(hidden, self.lm_weight)
+        return self.lm_head(hidden)
 
     def token_ids(self, index: Tensor) -> Tensor:
         return index if self.draft_vocab is None else self.draft_vocab[index]

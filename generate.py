@@ -236,7 +236,8 @@ class Session:
         self.live = self.device.type == "cpu"  # attention reads only the live prefix of the caches
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
-            head.bind(model.output.weight)
+            if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
+                head.bind(model.output.weight)
             self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
                                         dtype=model.output.weight.dtype)
         self.reset()

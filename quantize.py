@@ -234,33 +234,34 @@ def quantize_model(model: Transformer, handler, quantize_lm_head: bool = False) 
 
 
 def quantize_head_like(head, target: Transformer):
-    """The EAGLE head of an int4 target is int4 too (see above); on other targets it stays in float."""
-    meta = getattr(target, "quantization", None)
-    if meta is not None and meta["mode"] == "int4":
-        quantize_head(head, handler_for("int4", meta["groupsize"]))
+    """Bind an EAGLE head to a quantized target: to the float rows of its LM head (`dequantized`), and on
+    an int4 target quantize the head to int4 too (see above); on an int8 target it stays in float."""
+    if target.quantization is None:
+        return
+    head.bind(dequantized(target.output.weight))
+    if target.quantization["mode"] == "int4":
+        quantize_head(head, handler_for("int4", target.quantization["groupsize"]))
 
 
 @torch.no_grad()
 def quantize_head(head, handler):
-    """Quantize an EAGLE head's linears in place; its draft LM head rows follow at its next bind
-    (Session binds the head to its target)."""
+    """Quantize an EAGLE head's linears in place, and its bound draft LM head `head.lm_head` (an EagleHead
+    keeps it outside its modules) unless the kernel cannot take its rows (a draft vocabulary that is no
+    multiple of 16 stays in float). On CPU they all run through the plain-buffer kernels, like the target's
+    (Int4CPULinear), so no tensor subclass reaches a compiled graph."""
     device_type = head.fc.weight.device.type
     linears = {name: m for name, m in head.named_modules() if isinstance(m, nn.Linear)}
     for name, linear in linears.items():
         handler.check_linear(f"EAGLE head {name}", linear, device_type)
     quantize_(head, handler.config(device_type), filter_fn=lambda m, fqn: fqn in linears)
     use_cpu_kernels(head)
-    head.quantized_with = handler
-
-
-@torch.no_grad()
-def quantized_weight(weight: Tensor, handler) -> Tensor:
-    """A [out, in] float weight as the handler's quantized tensor (F.linear accepts it)."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    linear.weight.copy_(weight)
-    handler.check_linear("EAGLE draft LM head", linear, weight.device.type)
-    quantize_(linear, handler.config(weight.device.type))
-    return linear.weight.detach()
+    if head.lm_head is not None and head.lm_head not in linears.values():
+        try:
+            handler.check_linear("EAGLE draft LM head", head.lm_head, device_type)
+        except QuantizeError:
+            return
+        quantize_(head.lm_head, handler.config(device_type))
+        use_cpu_kernels(head.lm_head)
 
 
 def dequantized(weight: Tensor) -> Tensor:

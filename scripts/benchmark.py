@@ -299,8 +299,8 @@ def tensor_mb(*modules) -> float:
     bound LM head rows included."""
     seen, total = set(), 0
     for module in modules:
-        bound = [module.lm_weight] if getattr(module, "lm_weight", None) is not None else []
-        for t in list(module.parameters()) + list(module.buffers()) + bound:
+        bound = getattr(module, "lm_head", None) or torch.nn.Module()  # an EagleHead's is no submodule
+        for t in [*module.parameters(), *module.buffers(), *bound.parameters(), *bound.buffers()]:
             for p in plain_tensors(t.data if isinstance(t, torch.nn.Parameter) else t):
                 if p.data_ptr() not in seen:
                     seen.add(p.data_ptr())

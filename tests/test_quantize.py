@@ -175,8 +175,8 @@ def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantize
     if int4:
         assert type(head.fc.weight) is type(model.output.weight) and isinstance(head.fc, quantize.Int4CPULinear)
     eagle = Session(model, max_seq_len, head, parse_tree("paper"))
-    if int4:  # the bound draft LM head rows are quantized like the target's
-        assert type(head.lm_weight) is type(model.output.weight)
+    if int4:  # the bound draft LM head rows are quantized like the target's, through the same kernel call
+        assert type(head.lm_head.weight) is type(model.output.weight) and isinstance(head.lm_head, quantize.Int4CPULinear)
     for prompt, want in zip(prompts, expected):
         out, _ = eagle.generate(prompt, max_new_tokens, Sampling())
         if out != want:
@@ -217,6 +217,7 @@ def test_quantized_lm_head_is_an_untied_copy_and_drafts(tiny_checkpoint, mode, n
     expected, _ = Session(model, 64).generate(prompt, 24, Sampling())
     torch.manual_seed(0)
     head = EagleHead.for_target(model.config).to(DTYPE).eval()
+    quantize.quantize_head_like(head, model)  # as generate.py does: bound to the quantized LM head's rows
     assert Session(model, 64, head, parse_tree("paper")).generate(prompt, 24, Sampling())[0] == expected
 
 
