@@ -4,27 +4,30 @@
     python generate.py --prompt "Tell me about owls" --eagle         # with the shipped EAGLE head
     python generate.py --chat --eagle --compile
 
-EAGLE cycle (one target forward per cycle):
-  draft   the head grows a tree from the last committed token, one head forward per tree level;
-  verify  the target runs once over the whole tree under a tree attention mask;
+EAGLE cycle (one target forward per cycle; Session._eagle_cycles runs these four steps):
+  draft   the head grows a tree from the last committed token, one head forward per tree level
+          (tree.py: Tree.draft, EAGLE-1's static tree; DynamicTree.draft, EAGLE-2's) -> a Draft;
+  verify  the target runs once over the whole tree under a tree attention mask (verify);
   accept  the longest path the target agrees with (greedy) or that survives the lossless
-          sampling rule below, plus one bonus token from the target;
+          sampling rule, plus one bonus token from the target (accept: accept_greedy, accept_sampling);
   commit  the accepted path's KV entries move to contiguous cache slots, and the head re-reads the
-          target's true features of the accepted tokens (so draft error never accumulates).
+          target's true features of the accepted tokens, so draft error never accumulates (Session.commit).
+The model steps run eagerly or compiled (Steps); CacheWindow decides how many cache slots they read.
 """
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
-from tree import DynamicTree, Tree, ancestor_mask, parse_tree
+from tree import Draft, DynamicTree, Tree, parse_tree, tree_attention_mask
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 
@@ -43,6 +46,12 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return logits_to_probs(logits, self)
+
+    def draw(self, probs: Tensor, k: int = 1) -> Tensor:
+        return draw(probs, k)
 
 
 TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
@@ -94,11 +103,7 @@ def sample(logits: Tensor, s: Sampling) -> Tensor:
     return draw(logits_to_probs(logits, s))[..., 0]
 
 
-# ---------------------------------------------------------------- model steps (compiled with --compile)
-# Attention masks are [queries, slots] and attention reads cache slots 0..slots-1 only. On CPU the
-# steps get masks as long as the live prefix of the cache (its cost there grows with the slots read),
-# with that length marked dynamic, so one compiled graph serves every length; on CUDA they span the
-# whole cache, so every step keeps one static shape for CUDA graphs.
+# ---------------------------------------------------------------- model steps (eager, or compiled by Steps)
 def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor):
     """Logits at the last position [1, 1, V] and features at all positions [1, T, dim]."""
     return model(tokens, input_pos, mask=mask, logits_at=slice(-1, None))
@@ -111,78 +116,96 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask:
     return argmax_tokens(logits) if greedy else logits
 
 
-def tree_attention_mask(base: Tensor, tree_mask: Tensor, slots: int) -> Tensor:
-    """[n, slots]: every node sees cache slots < base and its ancestors at slots base + j."""
-    n = tree_mask.shape[0]
-    cols = torch.arange(slots, device=tree_mask.device)
-    rel = cols - base
-    in_tree = (rel >= 0) & (rel < n)
-    return (cols < base)[None, :] | (tree_mask[:, rel.clamp(0, n - 1)] & in_tree[None, :])
-
-
 def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, mask: Tensor, greedy: bool):
-    """Target over all tree nodes at slots base.., rotary positions base + depth, under `mask`
-    (tree_attention_mask): the logits after each node [n, V] (with `greedy`, the greedy tokens [n])
-    and the features [1, n, dim]."""
+    """Step 2 of the cycle: the target over all tree nodes at slots base.., rotary positions base + depth,
+    under `mask` (tree.tree_attention_mask): the logits after each node [n, V] (with `greedy`, the greedy
+    tokens [n]) and the features [1, n, dim]."""
     input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
     logits, features = target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
     return (argmax_tokens(logits[0]) if greedy else logits[0]), features
 
 
-def draft_top(logits: Tensor, k: int):
-    """The k best draft log-probs and their draft-vocabulary indices [..., k] (k = 1: a max, which on
-    this CPU takes about half a topk's time over 16,384 draft logits; results/2026-12-01-cycle-overheads)."""
+class HeadPrediction(NamedTuple):
+    """The head's output for the m nodes it was fed."""
+    hidden: Tensor  # [1, m, dim] predicted features
+    logits: Tensor  # [1, m, draft vocab]
+    top_logp: Tensor  # [1, m, k] the k best draft log-probs
+    top_tokens: Tensor  # [1, m, k] and their token ids
+
+
+def head_prediction(head: EagleHead, hidden: Tensor, k: int) -> HeadPrediction:
+    """The draft distribution of predicted features and its top k (k = 1: a max, which on this CPU takes
+    about half a topk's time over 16,384 draft logits; results/2026-12-01-cycle-overheads)."""
+    logits = head.draft_logits(hidden)
     logp = logits.float().log_softmax(-1)
-    return logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
+    top_logp, top_index = logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
+    return HeadPrediction(hidden, logits, top_logp, head.token_ids(top_index))
 
 
 def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
-               input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int):
-    """Head forward on draft nodes (tokens [1, m] paired with their parents' features [1, m, dim]).
-    Returns the predicted features [1, m, dim], the draft logits [1, m, draft vocab] and the top-k
-    draft log-probs and tokens [1, m, k]."""
-    hidden = head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos)
-    logits = head.draft_logits(hidden)
-    top_logp, top_index = draft_top(logits, k)
-    return hidden, logits, top_logp, head.token_ids(top_index)
+               input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int) -> HeadPrediction:
+    """Head forward on draft nodes: tokens [1, m] paired with their parents' features [1, m, dim]."""
+    return head_prediction(head, head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos), k)
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
-                input_pos: Tensor, mask: Tensor, last: Tensor, k: int):
-    """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos (under the causal `mask`);
-    return the head's prediction at index `last` [1, 1, dim], its draft logits and its top-k draft
-    log-probs/tokens [1, 1, k]."""
+                input_pos: Tensor, mask: Tensor, last: Tensor, k: int) -> HeadPrediction:
+    """Feed the head committed pairs (f_i, t_{i+1}) at positions input_pos (under the causal `mask`); its
+    prediction at index `last` [1, 1, ...] drafts the next root's children."""
     hidden = head(target.tok_embeddings(next_tokens), features, input_pos, mask)
-    hidden = hidden.index_select(1, last)
-    logits = head.draft_logits(hidden)
-    top_logp, top_index = draft_top(logits, k)
-    return hidden, logits, top_logp, head.token_ids(top_index)
+    return head_prediction(head, hidden.index_select(1, last), k)
 
 
-head_prefill = head_extend  # the prompt's catch-up: variable length, compiled only with --compile_prefill
+class Steps:
+    """The model steps a Session runs: the target's prefill, decode and verify; the head's draft, its
+    update after a commit (head_extend) and its prompt catch-up (head_prefill, head_extend again). Steps()
+    runs them eagerly, Steps.compiled(device) through torch.compile; nothing else differs, so eager and
+    compiled sessions can run side by side in one process."""
+
+    def __init__(self, fixed: Optional[Callable] = None, variable: Optional[Callable] = None):
+        """fixed, variable: what wraps the fixed-shape steps and the two prefills (None: nothing)."""
+        fixed, variable = fixed or (lambda f: f), variable or (lambda f: f)
+        self.decode, self.verify, self.draft, self.head_update = map(fixed, (decode_one_token, verify, draft_step,
+                                                                            head_extend))
+        self.prefill, self.head_prefill = map(variable, (prefill, head_extend))
+
+    @classmethod
+    def compiled(cls, device: str, prefill_too: bool = False, **options) -> "Steps":
+        """Full graphs of static shape (the slot count of a live mask is dynamic, see CacheWindow), on CUDA
+        with mode "reduce-overhead" (CUDA graphs), so nothing recompiles: the target's steps compile once
+        greedy and once sampling. With prefill_too the prefills too, with dynamic shapes. `options` go to
+        every torch.compile call: the one place to change them (backend="aot_eager", mode="max-autotune")."""
+        fixed = {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.startswith("cuda") else {})}
+        return cls(lambda f: torch.compile(f, **{**fixed, **options}),
+                   (lambda f: torch.compile(f, fullgraph=True, dynamic=True, **options)) if prefill_too else None)
 
 
-def live(mask: Tensor, on: bool) -> Tensor:
-    """With `on` (CPU), mark the slot dimension of a live-prefix mask dynamic: one graph, any length."""
-    if on:
-        torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
-    return mask
+EAGER = Steps()
 
 
-def compile_steps(device: str, prefill_too: bool):
-    """Compile the fixed-shape steps of a cycle; shapes never change (the slot count of a live mask is
-    dynamic), so nothing recompiles. The target's steps compile once greedy and once sampling."""
-    global decode_one_token, verify, draft_step, head_extend, prefill, head_prefill
-    options = dict(fullgraph=True, dynamic=False)
-    if device.startswith("cuda"):
-        options["mode"] = "reduce-overhead"
-    decode_one_token = torch.compile(decode_one_token, **options)
-    verify = torch.compile(verify, **options)
-    draft_step = torch.compile(draft_step, **options)
-    head_extend = torch.compile(head_extend, **options)
-    if prefill_too:
-        prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
-        head_prefill = torch.compile(head_prefill, fullgraph=True, dynamic=True)
+@dataclass
+class CacheWindow:
+    """How many KV cache slots a step's attention reads: masks are [queries, slots], and attention reads
+    slots 0..slots-1. live (CPU): only the slots in use, since a step's cost there grows with the slots
+    read, with that count marked dynamic so that one compiled graph serves every length. Otherwise (CUDA):
+    the whole cache, so that every step keeps one static shape for CUDA graphs."""
+    live: bool
+
+    def slots(self, end: int, cache_len: int) -> int:
+        """Slots read when slot end - 1 is the last one in use."""
+        return end if self.live else cache_len
+
+    def mark(self, mask: Tensor) -> Tensor:
+        if self.live:
+            torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
+        return mask
+
+    def causal(self, input_pos: Tensor, end: int, cache_len: int) -> Tensor:
+        return self.mark(causal_mask(input_pos, self.slots(end, cache_len)))
+
+    def tree(self, base: int, tree_mask: Tensor, cache_len: int) -> Tensor:
+        """tree_attention_mask for nodes at slots base + j, j < tree_mask.shape[1]."""
+        return self.mark(tree_attention_mask(base, tree_mask, self.slots(base + tree_mask.shape[1], cache_len)))
 
 
 # ---------------------------------------------------------------- session state
@@ -196,6 +219,15 @@ class Stats:
     accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
     phase_s: dict = field(default_factory=dict)  # seconds spent per phase of the decode steps / EAGLE cycles
     phase_n: dict = field(default_factory=dict)  # times each phase ran
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time the block as one run of phase `name`. Host time: on CUDA a phase's kernels are counted
+        where the host next waits for them."""
+        start = time.perf_counter()
+        yield
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
+        self.phase_n[name] = self.phase_n.get(name, 0) + 1
 
     def phase_ms(self) -> dict:
         """Mean milliseconds per run of each phase (vanilla: decode, sample; EAGLE: draft, verify,
@@ -222,18 +254,19 @@ class Session:
 
     tokens[:target_len] are in the target cache, features[i] is the target's feature at position i,
     and the head cache holds positions 0..head_len-1 (pairs (f_i, t_{i+1})). A new prompt that
-    extends `tokens` (the next chat turn) only prefills what is new.
+    extends `tokens` (the next chat turn) only prefills what is new. `steps` runs the model (default
+    eager; Steps.compiled(device) for compiled graphs).
     """
 
     def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
-                 tree: Optional["Tree | DynamicTree"] = None):
-        self.model, self.head, self.tree = model, head, tree
+                 tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None):
+        self.model, self.head, self.tree, self.steps = model, head, tree, steps or EAGER
         self.max_seq_len = max_seq_len
         # room for an unfinished cycle; one slot at least, so a live mask never spans the whole cache
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
-        self.live = self.device.type == "cpu"  # attention reads only the live prefix of the caches
+        self.window = CacheWindow(live=self.device.type == "cpu")
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
@@ -245,18 +278,6 @@ class Session:
     def reset(self):
         """Forget the cached conversation: the next generate prefills its whole prompt."""
         self.tokens, self.target_len, self.head_len = [], 0, 0
-
-    def _phase(self, stats: Stats, name: str, since: float) -> float:
-        """Add the time since `since` to phase `name`; returns now. Host time: on CUDA a phase's kernels
-        are counted where the host next waits for them."""
-        now = time.perf_counter()
-        stats.phase_s[name] = stats.phase_s.get(name, 0.0) + now - since
-        stats.phase_n[name] = stats.phase_n.get(name, 0) + 1
-        return now
-
-    def _slots(self, end: int, cache_len: int) -> int:
-        """How many cache slots attention reads when slot end - 1 is the last one in use."""
-        return end if self.live else cache_len
 
     def check_fits(self, prompt_len: int, max_new_tokens: int):
         if prompt_len == 0:
@@ -305,8 +326,8 @@ class Session:
     def _prefill(self, sampling: Sampling) -> int:
         new = torch.tensor(self.tokens[self.target_len:], device=self.device)
         input_pos = torch.arange(self.target_len, len(self.tokens), device=self.device)
-        mask = causal_mask(input_pos, self._slots(len(self.tokens), self.model.max_seq_len))
-        logits, features = prefill(self.model, new.view(1, -1), input_pos, mask)
+        mask = causal_mask(input_pos, self.window.slots(len(self.tokens), self.model.max_seq_len))
+        logits, features = self.steps.prefill(self.model, new.view(1, -1), input_pos, mask)
         if self.head is not None:
             self.features[input_pos] = features[0]
         self.target_len = len(self.tokens)
@@ -315,182 +336,88 @@ class Session:
     def _vanilla_steps(self, token: int, sampling: Sampling, stats: Stats):
         while True:
             yield [token]
-            clock = time.perf_counter()
-            pos = torch.tensor([self.target_len], device=self.device)
-            mask = causal_mask(pos, self._slots(self.target_len + 1, self.model.max_seq_len))
-            out = decode_one_token(self.model, torch.tensor([[token]], device=self.device), pos,
-                                   live(mask, self.live), sampling.greedy)
-            clock = self._phase(stats, "decode", clock)
+            with stats.phase("decode"):
+                pos = torch.tensor([self.target_len], device=self.device)
+                mask = self.window.causal(pos, self.target_len + 1, self.model.max_seq_len)
+                out = self.steps.decode(self.model, torch.tensor([[token]], device=self.device), pos, mask,
+                                        sampling.greedy)
             stats.target_forwards += 1
-            self.tokens.append(token)
-            self.target_len += 1
-            token = int(out) if sampling.greedy else int(sample(out[0, -1], sampling))
-            self._phase(stats, "sample", clock)
+            with stats.phase("sample"):
+                self.tokens.append(token)
+                self.target_len += 1
+                token = int(out) if sampling.greedy else int(sample(out[0, -1], sampling))
 
     # ---------------------------------------------------------------- EAGLE
     def _eagle_cycles(self, token: int, sampling: Sampling, stats: Stats):
-        """Yields the committed tokens of each cycle; the first yield is the prefill's token."""
-        model, head, device = self.model, self.head, self.device
-        tree = self.tree
-        k = tree.max_rank + 1
+        """The EAGLE cycle, the paper's four steps, one target forward each; yields the tokens each cycle
+        commits (the first yield: the prefill's token, the first root)."""
         yield [token]
-        # the head catches up on the prompt: pairs (f_i, t_{i+1}) for i = head_len .. len(tokens) - 1
         self.tokens.append(token)
-        pos = torch.arange(self.head_len, self.target_len, device=device)
-        nxt = head.pair_tokens(self.tokens[self.head_len + 1:], self.tokens[self.head_len:self.target_len])
-        nxt = torch.tensor(nxt, device=device).view(1, -1)
-        last = torch.tensor([pos.numel() - 1], device=device)
-        mask = causal_mask(pos, self._slots(self.target_len, head.max_seq_len))
-        root_hidden, root_logits, top_logp, top_tokens = head_prefill(model, head, nxt, self.features[pos][None],
-                                                                      pos, mask, last, k)
-        stats.head_forwards += 1
+        start = self.head_len  # the head catches up on the prompt: pairs (f_i, t_{i+1}), i = head_len..
+        root = self._feed_head(False, start, self.tokens[start + 1:], self.tokens[start:self.target_len],
+                               self.features[start:self.target_len], self.target_len - start - 1, stats)
         self.head_len = self.target_len
-        pad = tree.max_depth + 1  # the per-cycle head update always has this static length
         while True:
-            clock = time.perf_counter()
-            base = torch.tensor(self.target_len, device=device)  # the root (token) goes to slot `base`
-            head_slots = self.target_len + tree.draft_slots if self.live else None  # None: the whole cache
-            if isinstance(tree, DynamicTree):
-                node_tokens, parents, depths, tree_mask = draft_dynamic_tree(model, head, tree, token, root_hidden,
-                                                                             top_logp, top_tokens, base, head_slots)
-                draft_probs = None  # its nodes are the draft's best-scored tokens: one-hot proposals
-            else:
-                node_tokens, draft_probs = draft_static_tree(model, head, tree, token, root_hidden, root_logits,
-                                                             top_tokens, base, head_slots,
-                                                             None if sampling.greedy else sampling)
-                parents, depths, tree_mask = tree.parents, tree.depths, tree.tree_mask
-            stats.head_forwards += tree.max_depth - 1
-            clock = self._phase(stats, "draft", clock)
-            slots = self._slots(self.target_len + len(node_tokens), model.max_seq_len)
-            mask = live(tree_attention_mask(base, tree_mask, slots), self.live)
-            out, features = verify(model, node_tokens, base, depths, mask, sampling.greedy)
-            stats.target_forwards += 1
-            clock = self._phase(stats, "verify", clock)
-            tokens, parent_of = node_tokens.tolist(), parents.tolist()
-            if sampling.greedy:
-                path, bonus = accept_greedy(tokens, out.tolist(), parent_of)
-            else:
-                path, bonus = accept_sampling(tokens, out, parent_of, sampling, draft_probs)
-            stats.accept_lengths.append(len(path) - 1)
-            new = [tokens[i] for i in path[1:]] + [bonus]
-            self._phase(stats, "accept", clock)
+            with stats.phase("draft"):  # 1. the head grows a tree from the last committed token
+                draft = self.tree.draft(self, token, root, sampling)
+                stats.head_forwards += self.tree.max_depth - 1
+            with stats.phase("verify"):  # 2. the target runs once over the whole tree
+                mask = self.window.tree(self.target_len, draft.tree_mask, self.model.max_seq_len)
+                base = torch.tensor(self.target_len, device=self.device)  # the root's cache slot
+                out, features = self.steps.verify(self.model, draft.tokens, base, draft.depths, mask, sampling.greedy)
+                stats.target_forwards += 1
+            with stats.phase("accept"):  # 3. the longest path the target agrees with, and a bonus token
+                path, bonus = accept(draft, out, sampling)
+                tokens = draft.tokens.tolist()
+                new = [tokens[i] for i in path[1:]] + [bonus]
+                stats.accept_lengths.append(len(path) - 1)
             yield new
-            clock = time.perf_counter()  # the caller's time (streaming, stop checks) is not a phase
-            # commit: accepted nodes' KV to contiguous slots; head re-reads true features
-            n_acc = len(path)
-            dst = torch.arange(self.target_len, self.target_len + pad, device=device)
-            if path == list(range(n_acc)):  # always on a chain: every entry is in place already
-                feats = features[0, :pad]
-            else:  # the accepted nodes, then padding rows (the head's update ignores them)
-                rows = torch.tensor(path + list(range(n_acc, pad)), device=device)
-                for cache in model.kv_caches():
-                    cache.move(base + rows, dst)
-                feats = features[0].index_select(0, rows)
-            self.features[self.target_len: self.target_len + pad] = feats
-            paired = head.pair_tokens(new, [token] + new[:-1])
-            nxt = torch.tensor(paired + [0] * (pad - len(paired)), device=device).view(1, -1)
-            mask = live(causal_mask(dst, self._slots(self.target_len + pad, head.max_seq_len)), self.live)
-            root_hidden, root_logits, top_logp, top_tokens = head_extend(
-                model, head, nxt, feats[None], dst, mask, torch.tensor([n_acc - 1], device=device), k)
-            stats.head_forwards += 1
-            self.tokens += new
-            self.target_len += n_acc
-            self.head_len = self.target_len
-            token = new[-1]
-            self._phase(stats, "commit", clock)
+            with stats.phase("commit"):  # 4. the path into the caches, the true features into the head
+                root = self.commit(path, new, features, stats)
+                token = new[-1]
+
+    def commit(self, path: list, new: list, features: Tensor, stats: Stats) -> HeadPrediction:
+        """Step 4: move the accepted nodes' KV entries to contiguous cache slots after the prefix, and feed
+        the head the target's true features of the accepted tokens (so draft error never accumulates).
+        Returns the head's prediction after the last of them: the next root's draft."""
+        base, n_acc, pad = self.target_len, len(path), self.tree.max_depth + 1  # the head's update: pad rows
+        if path == list(range(n_acc)):  # always on a chain: every entry is in place already
+            feats = features[0, :pad]
+        else:  # the accepted nodes, then padding rows (the head's update ignores them)
+            rows = torch.tensor(path + list(range(n_acc, pad)), device=self.device)
+            dst = torch.arange(base, base + pad, device=self.device)
+            for cache in self.model.kv_caches():
+                cache.move(base + rows, dst)
+            feats = features[0].index_select(0, rows)
+        self.features[base: base + pad] = feats
+        root = self._feed_head(True, base, new, [self.tokens[-1]] + new[:-1], feats, n_acc - 1, stats)
+        self.tokens += new
+        self.target_len += n_acc
+        self.head_len = self.target_len
+        return root
+
+    def _feed_head(self, update: bool, start: int, next_tokens: list, own_tokens: list, features: Tensor,
+                   last: int, stats: Stats) -> HeadPrediction:
+        """Feed the head the committed pairs (f_i, t_{i+1}) from position `start` on (features [n, dim];
+        pair_tokens picks the tokens, zero-padded to n), and return its prediction at row `last`. update:
+        the per-cycle update (always max_depth + 1 rows), else the prompt's variable-length catch-up."""
+        n = features.shape[0]
+        paired = self.head.pair_tokens(next_tokens, own_tokens)
+        pos = torch.arange(start, start + n, device=self.device)
+        mask = causal_mask(pos, self.window.slots(start + n, self.head.max_seq_len))
+        stats.head_forwards += 1
+        return (self.steps.head_update if update else self.steps.head_prefill)(
+            self.model, self.head, torch.tensor(paired + [0] * (n - len(paired)), device=self.device).view(1, -1),
+            features[None], pos, self.window.mark(mask) if update else mask,
+            torch.tensor([last], device=self.device), self.tree.max_rank + 1)
 
 
-def draft_static_tree(target, head, tree: Tree, root_token: int, root_hidden, root_logits, top_tokens, base,
-                      head_slots: Optional[int], sampling: Optional[Sampling] = None):
-    """Fill a fixed tree, one head forward per level on all nodes of the level at once. Greedy: a node
-    of rank r is its parent's r-th most likely draft token. With `sampling` (temperature > 0) the
-    children of a node are instead draws without replacement from the head's distribution q (its logits
-    through the same temperature / top-k / top-p as the target's), rank r = the r-th draw; a drawn token
-    is accepted with probability min(1, p/q), about sum_x min(p(x), q(x)), where the argmax is accepted
-    with probability p(argmax q) only. Returns the node tokens and, when sampling, q per node [n, vocab]
-    (row i: the law node i's children were drawn from) for accept_sampling, else None.
-    Head scratch slot of node j: base + j - 1 (the root's own pair was already fed); rotary position
-    of depth d: base + d - 1. Attention reads head cache slots 0..head_slots-1, a dynamic length (the
-    live prefix, on CPU), or the whole cache when head_slots is None (static shapes, on CUDA)."""
-    device, k = base.device, tree.max_rank + 1
-    node_tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=device)
-    node_tokens[0] = root_token
-    draft_probs, vocab_ids = None, None
-    if sampling is not None:
-        draft_probs = torch.zeros(tree.num_nodes, target.config.vocab_size, device=device)
-        vocab_ids = head.token_ids(torch.arange(root_logits.shape[-1], device=device))
-    head_mask = None  # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
-    parent_hidden, parent_logits, parent_top, parent_first = root_hidden, root_logits, top_tokens, 0
-    for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
-        if sampling is None:
-            node_tokens[first:end] = parent_top[0, parent_in_level, tree.ranks[first:end]]
-        else:  # k draws without replacement per parent, in draw order
-            q = logits_to_probs(parent_logits[0], sampling)  # [parents in level, draft vocab]
-            draws = draw(q, k)
-            draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
-            node_tokens[first:end] = vocab_ids[draws[parent_in_level, tree.ranks[first:end]]]
-        if depth == tree.max_depth:
-            break
-        if head_mask is None:
-            head_mask = tree_attention_mask(base, tree.tree_mask[1:, 1:], head_slots or head.max_seq_len)
-        slots = base + torch.arange(first - 1, end - 1, device=device)
-        parent_hidden, parent_logits, _, parent_top = draft_step(
-            target, head, head.pair_tokens(node_tokens[first:end], node_tokens[tree.parents[first:end]]).view(1, -1),
-            parent_hidden[:, parent_in_level], slots,
-            (base + depth - 1).expand(end - first), live(head_mask[first - 1:end - 1], head_slots is not None), k)
-        parent_first = first
-    return node_tokens, draft_probs
-
-
-def draft_dynamic_tree(target, head, tree: DynamicTree, root_token: int, root_hidden, top_logp, top_tokens, base,
-                       head_slots: Optional[int]):
-    """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best
-    total_tokens nodes. Frontier nodes of depth d use head scratch slots base + (d-1)*top_k + i.
-    Attention reads head cache slots 0..head_slots-1, as in draft_static_tree."""
-    device, K = base.device, tree.top_k
-    # candidate pool, in creation order: token, cumulative log-prob, parent (pool index, -1 = root), depth
-    pool_tokens, pool_scores = [top_tokens[0, 0]], [top_logp[0, 0]]
-    pool_parents = [torch.full((K,), -1, device=device)]
-    pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
-    frontier = torch.arange(K, device=device)  # pool indices of the frontier
-    frontier_hidden = root_hidden.expand(1, K, -1)  # features their head inputs pair with
-    n_slots = (tree.depth - 1) * K
-    frontier_slots = torch.zeros(K, n_slots, dtype=torch.bool, device=device)  # scratch ancestors
-    prefix = torch.arange(head_slots or head.max_seq_len, device=device) < base
-    root = torch.tensor([root_token], device=device)
-    for depth in range(1, tree.depth):
-        tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
-        own = torch.arange((depth - 1) * K, depth * K, device=device)
-        frontier_slots[torch.arange(K, device=device), own] = True
-        mask = prefix[None, :].repeat(K, 1)
-        mask[:, base + torch.arange(n_slots, device=device)] = frontier_slots
-        parent_tokens = torch.cat([root, tokens])[torch.cat(pool_parents)[frontier] + 1]
-        hidden, _, child_logp, child_tokens = draft_step(
-            target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1), frontier_hidden, base + own,
-            (base + depth - 1).expand(K), live(mask, head_slots is not None), K)
-        child_scores = (scores[frontier, None] + child_logp[0]).flatten()  # [K*K]
-        start = tokens.numel()
-        pool_tokens.append(child_tokens[0].flatten())
-        pool_scores.append(child_scores)
-        pool_parents.append(frontier.repeat_interleave(K))
-        pool_depths.append(torch.full((K * K,), depth + 1, device=device))
-        best = child_scores.topk(K).indices
-        frontier_slots = frontier_slots[best // K]
-        frontier_hidden = hidden[:, best // K]
-        frontier = start + best
-    tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
-    pool_parents, depths = torch.cat(pool_parents), torch.cat(pool_depths)
-    # best nodes by score; on equal score the shallower first, so a node's parent is always kept
-    order = torch.sort(depths, stable=True).indices
-    order = order[torch.sort(scores[order], descending=True, stable=True).indices]
-    keep = order[: tree.total_tokens]
-    keep = keep[torch.sort(depths[keep], stable=True).indices]  # parents before children
-    index_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=device)  # pool index -> node
-    index_of[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
-    parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), index_of[pool_parents[keep] + 1]])
-    node_tokens = torch.cat([torch.tensor([root_token], device=device), tokens[keep]])
-    tree_mask, node_depths = ancestor_mask(parents, tree.depth)
-    return node_tokens, parents, node_depths, tree_mask
+def accept(draft: Draft, out: Tensor, sampling: Sampling):
+    """Step 3: the accepted path (node indices, root first) and the bonus token, from verify's greedy tokens
+    [n] or its logits [n, V]."""
+    if sampling.greedy:
+        return accept_greedy(draft.tokens.tolist(), out.tolist(), draft.parents.tolist())
+    return accept_sampling(draft.tokens.tolist(), out, draft.child_lists(), sampling, draft.draft_probs)
 
 
 def accept_greedy(tokens: list, choice: list, parents: list):
@@ -508,7 +435,7 @@ def accept_greedy(tokens: list, choice: list, parents: list):
     return path[::-1], choice[deepest]
 
 
-def accept_sampling(tokens: list, logits: Tensor, parents: list, sampling: Sampling,
+def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Sampling,
                     draft_probs: Optional[Tensor] = None):
     """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
 
@@ -521,14 +448,11 @@ def accept_sampling(tokens: list, logits: Tensor, parents: list, sampling: Sampl
     final r. Each round is a speculative-sampling step for target r, whose output law is exactly r for
     any proposal, so every committed token follows the target distribution p (temperature / top-k /
     top-p applied as in vanilla sampling). A child whose q_j is 0 (q was cut short by top-k / top-p and
-    is used up) proposes nothing and is skipped. tokens[i] and parents[i] are node i's token and parent
-    (root: 0), logits [n, V] the target's after each node.
+    is used up) proposes nothing and is skipped. tokens[i] is node i's token, children[i] its children
+    in the order they are tried (node order), logits [n, V] the target's after each node.
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
-    children = [[] for _ in tokens]
-    for child, parent in enumerate(parents[1:], 1):
-        children[parent].append(child)
     path, node = [0], 0
     while True:
         r = probs[node]
@@ -592,8 +516,7 @@ def load(args):
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
-        if isinstance(tree, Tree):
-            tree.to(args.device)
+        tree.to(args.device)
     return model, tokenizer, head, tree
 
 
@@ -712,10 +635,9 @@ def main(argv=None):
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    if compiled:
-        compile_steps(args.device, args.compile_prefill)
+    steps = Steps.compiled(args.device, args.compile_prefill) if compiled else EAGER
     if args.chat:
-        session = Session(model, args.max_seq_len, head, tree)
+        session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:
             warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling)
         return chat(session, tokenizer, args, sampling)
@@ -724,7 +646,7 @@ def main(argv=None):
         [{"role": "user", "content": args.prompt}]
     prompt = tokenizer.encode_chat(messages) if templated else tokenizer.encode(args.prompt, bos=True)
     # a cache no longer than this prompt needs: attention reads every cache slot
-    session = Session(model, min(args.max_seq_len, len(prompt) + args.max_new_tokens), head, tree)
+    session = Session(model, min(args.max_seq_len, len(prompt) + args.max_new_tokens), head, tree, steps)
     if compiled:
         warm_up(session, prompt, sampling)
     for i in range(args.num_samples):

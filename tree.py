@@ -1,24 +1,26 @@
-"""Draft trees and their static buffers.
+"""Draft trees: their buffers, the tree attention mask, and the draft (step 1 of the EAGLE cycle).
 
-A tree is a list of paths; a path lists child ranks from the root: [0, 1] is the second-best draft
-child of the best draft child of the root. Node 0 is the root (the last committed token); the other
-nodes are ordered by depth, so each draft level is a contiguous range of nodes.
+A static tree is a list of paths; a path lists child ranks from the root: [0, 1] is the second-best
+draft child of the best draft child of the root. Node 0 is the root (the last committed token); the
+other nodes are ordered by depth, so each draft level is a contiguous range of nodes.
 
-Buffers (all static in shape for a given tree):
+Buffers of a static tree (`Tree`, all static in shape):
 - tree_mask [n, n] bool: node i sees node j iff j is an ancestor of i or i itself;
 - depths [n]: 0 for the root; the rotary position of node i is prefix_len + depths[i];
-- parents [n] (root: 0), ranks [n] (child rank among its siblings);
-- retrieve_indices [n_leaves, max_depth + 1]: root-to-leaf node indices, padded with -1 (the
-  candidate paths, for a port that gathers them; generate.py walks `parents` instead, which also
-  serves the dynamic tree);
+- parents [n] (root: 0), ranks [n] (child rank among its siblings), children (lists, in node order);
 - levels: for each depth d >= 1, the node range of that depth and, per node, its parent's index
   within level d - 1 (the draft runs one head forward per level).
-EAGLE-2's dynamic tree (`DynamicTree`, drafted in generate.py) picks its nodes per cycle from the
-draft's scores, with a fixed node count so the verify shape stays static; `ancestor_mask` gives
-its tree mask and depths.
+EAGLE-2's dynamic tree (`DynamicTree`) picks its nodes per cycle from the draft's scores, with a fixed
+node count so the verify shape stays static; `ancestor_mask` gives its tree mask and depths.
+
+Both kinds answer the same calls: num_nodes, max_depth, max_rank, draft_slots (head cache slots a
+draft writes past the prefix), to(device), and draft(session, root_token, root, sampling) -> Draft,
+the nodes to verify. `tree_attention_mask` is the one mask builder for the target (verify) and the head
+(draft steps): a node sees the committed prefix and its ancestors.
 """
 import ast
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -66,13 +68,44 @@ def parse_paths(spec: str) -> list:
 
 
 @dataclass
+class Draft:
+    """One cycle's tree of candidate tokens, what verify checks. Node 0 is the root (the last committed
+    token, verified at cache slot prefix_len); parents precede children."""
+    tokens: Tensor  # [n] node tokens
+    parents: Tensor  # [n] (root: 0)
+    depths: Tensor  # [n]: rotary position prefix_len + depth
+    tree_mask: Tensor  # [n, n]: ancestors and self
+    draft_probs: Optional[Tensor] = None  # [n, vocab]: the law each node's children were drawn from (None: the
+    # children are the draft's best tokens, one-hot proposals)
+    children: Optional[list] = None  # children[i]: node i's children in node order (None: from parents)
+
+    def child_lists(self) -> list:
+        return self.children if self.children is not None else children_of(self.parents.tolist())
+
+
+def children_of(parents: list) -> list:
+    children = [[] for _ in parents]
+    for child, parent in enumerate(parents[1:], 1):
+        children[parent].append(child)
+    return children
+
+
+def tree_attention_mask(base: int, tree_mask: Tensor, slots: int) -> Tensor:
+    """[rows, slots] bool: row i sees cache slots < base (the prefix) and slot base + j where tree_mask[i, j]
+    (its ancestors among the nodes at slots base, base + 1, ...)."""
+    m = tree_mask.shape[1]
+    cols = torch.arange(slots, device=tree_mask.device)
+    rel = cols - base
+    return (cols < base)[None, :] | (tree_mask[:, rel.clamp(0, m - 1)] & ((rel >= 0) & (rel < m))[None, :])
+
+
+@dataclass
 class Tree:
     paths: list
     tree_mask: Tensor
     depths: Tensor
     parents: Tensor
     ranks: Tensor
-    retrieve_indices: Tensor
     levels: list  # per depth d >= 1: (first node, last node + 1, parent index within level d - 1)
     children: list  # children[i]: node indices of i's children, in rank order
 
@@ -94,10 +127,49 @@ class Tree:
         return self.num_nodes - 1
 
     def to(self, device):
-        for name in ("tree_mask", "depths", "parents", "ranks", "retrieve_indices"):
+        for name in ("tree_mask", "depths", "parents", "ranks"):
             setattr(self, name, getattr(self, name).to(device))
         self.levels = [(a, b, p.to(device)) for a, b, p in self.levels]
         return self
+
+    def draft(self, session, root_token: int, root, sampling) -> Draft:
+        """EAGLE-1: fill the fixed tree, one head forward per level on all nodes of the level at once.
+        session: its steps, model (the target), head and window; root: the head's prediction after the
+        root's own pair (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely
+        draft token. With sampling (temperature > 0) the children of a node are draws without replacement
+        from the head's distribution q (its logits through the same temperature / top-k / top-p as the
+        target's), rank r = the r-th draw; a drawn token is accepted with probability min(1, p/q), about
+        sum_x min(p(x), q(x)), where the argmax is accepted with probability p(argmax q) only. Then
+        draft_probs holds q per node [n, vocab] (row i: the law node i's children were drawn from).
+        Head scratch slot of node j: base + j - 1 (base = session.target_len, the root's own pair was fed
+        already); rotary position of depth d: base + d - 1."""
+        steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
+        device, k = root.hidden.device, self.max_rank + 1
+        tokens = torch.empty(self.num_nodes, dtype=torch.long, device=device)
+        tokens[0] = root_token
+        draft_probs = vocab_ids = head_mask = None
+        if not sampling.greedy:
+            draft_probs = torch.zeros(self.num_nodes, target.config.vocab_size, device=device)
+            vocab_ids = head.token_ids(torch.arange(root.logits.shape[-1], device=device))
+        parent, parent_first = root, 0
+        for depth, (first, end, parent_in_level) in enumerate(self.levels, 1):
+            if sampling.greedy:
+                tokens[first:end] = parent.top_tokens[0, parent_in_level, self.ranks[first:end]]
+            else:  # k draws without replacement per parent, in draw order
+                q = sampling.probs(parent.logits[0])  # [parents in level, draft vocab]
+                draws = sampling.draw(q, k)
+                draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
+                tokens[first:end] = vocab_ids[draws[parent_in_level, self.ranks[first:end]]]
+            if depth == self.max_depth:
+                break
+            if head_mask is None:  # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
+                head_mask = window.tree(base, self.tree_mask[1:, 1:], head.max_seq_len)
+            parent = steps.draft(target, head, head.pair_tokens(tokens[first:end], tokens[self.parents[first:end]]).view(1, -1),
+                                 parent.hidden[:, parent_in_level], base + torch.arange(first - 1, end - 1, device=device),
+                                 torch.full((end - first,), base + depth - 1, device=device),
+                                 window.mark(head_mask[first - 1:end - 1]), k)
+            parent_first = first
+        return Draft(tokens, self.parents, self.depths, self.tree_mask, draft_probs, self.children)
 
 
 def build_tree(paths: list) -> Tree:
@@ -112,30 +184,15 @@ def build_tree(paths: list) -> Tree:
             raise ValueError(f"tree path {list(p)} skips rank {p[-1] - 1}: child ranks must be contiguous")
     nodes = [()] + paths
     index = {p: i for i, p in enumerate(nodes)}
-    n = len(nodes)
-    tree_mask = torch.zeros(n, n, dtype=torch.bool)
-    parents, children = [0] * n, [[] for _ in range(n)]
-    for i, p in enumerate(nodes):
-        for d in range(len(p) + 1):
-            tree_mask[i, index[p[:d]]] = True
-        if p:
-            parents[i] = index[p[:-1]]
-            children[parents[i]].append(i)
-    depths = torch.tensor([len(p) for p in nodes])
-    max_depth = int(depths.max())
-    leaves = [i for i in range(n) if not children[i]]
-    retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        path = [index[nodes[leaf][:d]] for d in range(len(nodes[leaf]) + 1)]
-        retrieve[row, : len(path)] = torch.tensor(path)
+    parents = [index[p[:-1]] if p else 0 for p in nodes]
+    tree_mask, depths = ancestor_mask(torch.tensor(parents), max(map(len, nodes)))
     levels = []
-    for d in range(1, max_depth + 1):
-        members = [i for i in range(n) if len(nodes[i]) == d]
-        prev_first = min(i for i in range(n) if len(nodes[i]) == d - 1)
+    for d in range(1, int(depths.max()) + 1):
+        members = [i for i in range(len(nodes)) if len(nodes[i]) == d]
+        prev_first = min(i for i in range(len(nodes)) if len(nodes[i]) == d - 1)
         levels.append((members[0], members[-1] + 1, torch.tensor([parents[i] - prev_first for i in members])))
-    return Tree(paths=[list(p) for p in paths], tree_mask=tree_mask, depths=depths,
-                parents=torch.tensor(parents), ranks=torch.tensor([p[-1] if p else 0 for p in nodes]),
-                retrieve_indices=retrieve, levels=levels, children=children)
+    return Tree(paths=[list(p) for p in paths], tree_mask=tree_mask, depths=depths, parents=torch.tensor(parents),
+                ranks=torch.tensor([p[-1] if p else 0 for p in nodes]), levels=levels, children=children_of(parents))
 
 
 @dataclass
@@ -168,6 +225,54 @@ class DynamicTree:
     def draft_slots(self) -> int:
         """Head cache slots past the prefix that one draft writes: top_k per expanded level."""
         return (self.depth - 1) * self.top_k
+
+    def to(self, device):
+        return self  # nothing static to move
+
+    def draft(self, session, root_token: int, root, sampling) -> Draft:
+        """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best total_tokens
+        nodes (its nodes are the draft's best tokens: one-hot proposals at any temperature). Frontier nodes
+        of depth d use head scratch slots base + (d-1)*top_k + i (base = session.target_len)."""
+        steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
+        device, K = root.hidden.device, self.top_k
+        # candidate pool, in creation order: token, cumulative log-prob, parent (pool index, -1 = root), depth
+        pool_tokens, pool_scores = [root.top_tokens[0, 0]], [root.top_logp[0, 0]]
+        pool_parents = [torch.full((K,), -1, device=device)]
+        pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
+        frontier = torch.arange(K, device=device)  # pool indices of the frontier
+        frontier_hidden = root.hidden.expand(1, K, -1)  # features their head inputs pair with
+        frontier_slots = torch.zeros(K, self.draft_slots, dtype=torch.bool, device=device)  # scratch ancestors
+        root_tokens = torch.tensor([root_token], device=device)
+        for depth in range(1, self.depth):
+            tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+            own = torch.arange((depth - 1) * K, depth * K, device=device)
+            frontier_slots[torch.arange(K, device=device), own] = True
+            parent_tokens = torch.cat([root_tokens, tokens])[torch.cat(pool_parents)[frontier] + 1]
+            pred = steps.draft(target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1),
+                               frontier_hidden, base + own, torch.full((K,), base + depth - 1, device=device),
+                               window.tree(base, frontier_slots, head.max_seq_len), K)
+            child_scores = (scores[frontier, None] + pred.top_logp[0]).flatten()  # [K*K]
+            start = tokens.numel()
+            pool_tokens.append(pred.top_tokens[0].flatten())
+            pool_scores.append(child_scores)
+            pool_parents.append(frontier.repeat_interleave(K))
+            pool_depths.append(torch.full((K * K,), depth + 1, device=device))
+            best = child_scores.topk(K).indices
+            frontier_slots = frontier_slots[best // K]
+            frontier_hidden = pred.hidden[:, best // K]
+            frontier = start + best
+        tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+        pool_parents, depths = torch.cat(pool_parents), torch.cat(pool_depths)
+        # best nodes by score; on equal score the shallower first, so a node's parent is always kept
+        order = torch.sort(depths, stable=True).indices
+        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
+        keep = order[: self.total_tokens]
+        keep = keep[torch.sort(depths[keep], stable=True).indices]  # parents before children
+        index_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=device)  # pool index -> node
+        index_of[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
+        parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), index_of[pool_parents[keep] + 1]])
+        tree_mask, node_depths = ancestor_mask(parents, self.depth)
+        return Draft(torch.cat([root_tokens, tokens[keep]]), parents, node_depths, tree_mask)
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):

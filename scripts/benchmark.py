@@ -66,10 +66,8 @@ import quantize  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import Tree, parse_tree  # noqa: E402
+from tree import parse_tree  # noqa: E402
 
-STEP_NAMES = ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill")
-EAGER_STEPS = {name: getattr(generate, name) for name in STEP_NAMES}  # before any compile_steps
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
 # bf16 (quantize.py's default file, slower but closer to fp32). An EAGLE head on an int4 target is int4
@@ -309,21 +307,14 @@ def tensor_mb(*modules) -> float:
 
 
 # ---------------------------------------------------------------- runners
-def use_steps(compiled_steps: Optional[dict]):
-    """Point generate's step functions at the eager or the compiled versions."""
-    for name, fn in (compiled_steps or EAGER_STEPS).items():
-        setattr(generate, name, fn)
-
-
 class OurRunner:
     """A Session of this repo (vanilla or EAGLE); sessions sharing a model share its caches, so each
     run starts from a fresh prefill."""
 
-    def __init__(self, method: Method, session, compiled_steps: Optional[dict], device: str):
-        self.method, self.session, self.compiled_steps, self.device = method, session, compiled_steps, device
+    def __init__(self, method: Method, session, device: str):
+        self.method, self.session, self.device = method, session, device
 
     def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
-        use_steps(self.compiled_steps if self.method.compiled else None)
         self.session.reset()
         out, stats = self.session.generate(prompt, max_new_tokens, sampling, stop_ids)
         if self.device.startswith("cuda"):
@@ -869,10 +860,7 @@ def main(argv=None):
     with torch.inference_mode(), tempfile.TemporaryDirectory(prefix="benchmark-quick-") as quick_dir:
         if args.quick:
             args.checkpoint, args.head = build_quick_checkpoint(Path(quick_dir))
-        try:
-            return run_benchmark(args, argv)
-        finally:
-            use_steps(None)
+        return run_benchmark(args, argv)
 
 
 def run_benchmark(args, argv):
@@ -937,30 +925,26 @@ def run_benchmark(args, argv):
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
             if m.tree not in trees:
-                trees[m.tree] = parse_tree(m.tree)
-                if isinstance(trees[m.tree], Tree):
-                    trees[m.tree].to(device)
+                trees[m.tree] = parse_tree(m.tree).to(device)
             m.num_nodes, m.max_depth = trees[m.tree].num_nodes, trees[m.tree].max_depth
         if m.kind.startswith("hf") and m.dtype not in peers:
             peers[m.dtype] = load_peer(DTYPES[m.dtype], device)
-    compiled_steps = None
+    compiled_steps = generate.EAGER
     if any(m.compiled for m in methods):
         for limit in ("recompile_limit", "accumulated_recompile_limit"):
             if hasattr(torch._dynamo.config, limit):  # one graph per tree level shape, dtype and tree
                 setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
-        use_steps(None)
-        generate.compile_steps(device, args.compile_prefill)
-        compiled_steps = {name: getattr(generate, name) for name in STEP_NAMES}
-        use_steps(None)
+        compiled_steps = generate.Steps.compiled(device, args.compile_prefill)
 
     runners = {}
     for m in methods:
+        steps = compiled_steps if m.compiled else generate.EAGER
         if m.kind == "vanilla":
-            session = generate.Session(targets[m.dtype], max_seq_len)
+            session = generate.Session(targets[m.dtype], max_seq_len, steps=steps)
         elif m.kind == "eagle":
-            session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree])
+            session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree], steps)
         if m.kind in ("vanilla", "eagle"):
-            runners[m.name] = OurRunner(m, session, compiled_steps, device)
+            runners[m.name] = OurRunner(m, session, device)
         elif m.kind.startswith("llamacpp"):
             runners[m.name] = LlamaCppRunner(m, max_seq_len, torch.get_num_threads())
         else:

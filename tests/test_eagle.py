@@ -7,7 +7,6 @@ The default SmolLM2-135M is used where its real shapes matter (GQA, tied embeddi
 """
 import collections
 import copy
-import functools
 import importlib.util
 import json
 import os
@@ -26,7 +25,7 @@ from eagle_head import EagleHead
 from generate import DEFAULT_HEAD, Sampling, Session, UsageError
 from model import ModelArgs, Transformer, causal_mask
 from tokenizer import Tokenizer
-from tree import parse_tree
+from tree import Tree, parse_tree
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIE = 1e-4  # a greedy divergence is accepted only where the target's top-2 logits are this close
@@ -313,29 +312,27 @@ class VerifierLog:
         self.verifier = verifier
         self.counts = collections.Counter()
 
-    def __call__(self, node_tokens, logits, parents, sampling, draft_probs=None):
-        path, bonus = self.verifier(node_tokens, logits, parents, sampling, draft_probs)
-        parent_of = list(parents)
-        first_child = {}
-        for child in range(1, len(parent_of)):
-            first_child.setdefault(parent_of[child], child)  # verifiers try siblings in node order
+    def __call__(self, node_tokens, logits, children, sampling, draft_probs=None):
+        path, bonus = self.verifier(node_tokens, logits, children, sampling, draft_probs)
+        assert all(kids == sorted(kids) for kids in children)  # verifiers try siblings in node order
+        first_child = {node: kids[0] for node, kids in enumerate(children) if kids}
         self.counts["cycles"] += 1
         self.counts["sampled_drafts"] += draft_probs is not None
         self.counts["accepted"] += len(path) > 1
-        self.counts["sibling_rejected"] += any(c != first_child[parent_of[c]] for c in path[1:])
+        self.counts["sibling_rejected"] += any(c != first_child[p] for p, c in zip(path, path[1:]))
         self.counts["children_rejected"] += path[-1] in first_child  # bonus from the residual
         return path, bonus
 
 
-def accept_sampling_without_residual(node_tokens, logits, parents, sampling, draft_probs=None):
+def accept_sampling_without_residual(node_tokens, logits, children, sampling, draft_probs=None):
     """A broken verifier: like generate.accept_sampling, but a rejection never zeroes and renormalises p,
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
     probs = generate.logits_to_probs(logits, sampling).cpu()
-    tokens, parent_of = list(node_tokens), list(parents)
+    tokens = list(node_tokens)
     path, node = [0], 0
     while True:
-        for child in [c for c in range(1, len(tokens)) if parent_of[c] == node]:
+        for child in children[node]:
             if torch.rand(()) < probs[node, tokens[child]]:
                 path.append(child)
                 node = child
@@ -394,7 +391,7 @@ def verifier_case(vocab_size=8, seed=0):
         ranked = logits[parent].argsort(descending=True).tolist()
         for child, token in zip(children, [ranked[1], ranked[0], ranked[-1]]):
             node_tokens[child] = token
-    return node_tokens, logits, tree.parents, tree.children
+    return node_tokens, logits, tree.children
 
 
 def emitted_distribution(node_tokens, logits, children, sampling):
@@ -417,12 +414,12 @@ def emitted_distribution(node_tokens, logits, children, sampling):
 
 
 def verifier_pvalue(verifier, sampling, draws=UNIT_DRAWS, seed=0):
-    node_tokens, logits, parents, children = verifier_case()
+    node_tokens, logits, children = verifier_case()
     log = VerifierLog(verifier)
     torch.manual_seed(seed)
     observed = collections.Counter()
     for _ in range(draws):
-        path, bonus = log(node_tokens.tolist(), logits, parents.tolist(), sampling)
+        path, bonus = log(node_tokens.tolist(), logits, children, sampling)
         observed[tuple(node_tokens[path[1:]].tolist()) + (bonus,)] += 1
     return g_test(observed, emitted_distribution(node_tokens, logits, children, sampling)), log.counts
 
@@ -535,7 +532,7 @@ def test_sampling_with_a_broken_verifier_fails(monkeypatch):
 
 
 # --- a sampled chain: the draft tokens are drawn from the head's distribution q, accepted with min(1, p/q)
-def accept_sampled_with_one_hot_residual(node_tokens, logits, parents, sampling, draft_probs=None):
+def accept_sampled_with_one_hot_residual(node_tokens, logits, children, sampling, draft_probs=None):
     """A broken verifier for sampled chains: it accepts a drawn token with probability min(1, p/q), but
     after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
     norm(max(0, p - q))."""
@@ -573,19 +570,25 @@ def test_sampled_chain_with_a_broken_residual_fails(monkeypatch):
 def test_greedy_drafts_are_not_sampled(monkeypatch):
     """At temperature 0 nothing is drawn from q: a static tree holds the head's top-ranked tokens."""
     model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
-    seen, real = [], generate.draft_static_tree
+    seen, real = [], Tree.draft
 
-    def spy(*args):
-        seen.append(args[9])  # sampling
-        return real(*args)
+    def spy(tree, session, root_token, root, sampling):
+        draft = real(tree, session, root_token, root, sampling)
+        seen.append((sampling, draft))
+        return draft
 
-    monkeypatch.setattr(generate, "draft_static_tree", spy)
+    def no_draw(*args):
+        raise AssertionError("a greedy draft drew from q")
+
+    monkeypatch.setattr(Tree, "draft", spy)
+    monkeypatch.setattr(Sampling, "probs", no_draw)
+    monkeypatch.setattr(Sampling, "draw", no_draw)
     out, _ = Session(model, 16, copycat_head(model), parse_tree("chain-3")).generate(E2E_PROMPT, 8, Sampling())
-    assert seen and all(sampling is None for sampling in seen) and len(out) == 8
+    assert seen and all(s.greedy and d.draft_probs is None for s, d in seen) and len(out) == 8
 
 
 # ---------------------------------------------------------------- compiled steps
-def test_compiled_steps_do_not_recompile(monkeypatch):
+def test_compiled_steps_do_not_recompile():
     """After a warm-up generation greedy and one sampling (the target's steps return greedy tokens or
     logits, one graph each), further generations (other prompt lengths, a follow-up turn, sampling)
     reuse the compiled graphs: torch._dynamo errors on any recompile. Vanilla, a static tree and a chain.
@@ -593,10 +596,7 @@ def test_compiled_steps_do_not_recompile(monkeypatch):
     it is compiled once.
     Recompiles are decided by dynamo's guards, whatever the backend; the aot_eager backend keeps full-graph
     tracing and AOT functionalisation of the cache writes but skips inductor's C++ build, which takes
-    ~2.5 minutes here on two busy cores (the same test with inductor: drop the backend patch)."""
-    for name in ("decode_one_token", "verify", "draft_step", "head_extend", "prefill", "head_prefill"):
-        monkeypatch.setattr(generate, name, getattr(generate, name))  # restored after the test
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    ~2.5 minutes here on two busy cores (the same test with inductor: drop the backend option)."""
     model = tiny_target(vocab_size=32)
     head = copycat_head(model)
     prompts = tiny_prompts(3, 32, seed=3)
@@ -605,10 +605,11 @@ def test_compiled_steps_do_not_recompile(monkeypatch):
     follow_up = prompts[0] + refs[0] + [3, 4]
     ref_follow_up = vanilla_greedy(model, follow_up, n)
     torch._dynamo.reset()
-    generate.compile_steps("cpu", prefill_too=False)
+    steps = generate.Steps.compiled("cpu", prefill_too=False, backend="aot_eager")
     try:
         for spec in [None, "[[0], [1], [0, 0], [1, 0]]", "chain-2"]:  # None: vanilla decoding
-            session = Session(model, 64) if spec is None else Session(model, 64, head, parse_tree(spec))
+            session = Session(model, 64, steps=steps) if spec is None else \
+                Session(model, 64, head, parse_tree(spec), steps)
             out, stats = session.generate(prompts[0], n, Sampling())  # warm-up: compiles every shape
             assert out == refs[0] and (spec is None or len(stats.accept_lengths) >= 2)
             session.generate(prompts[0], n, Sampling(0.8, top_k=5))  # and the sampling variants of the steps

@@ -156,7 +156,7 @@ def test_input_modes(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode", ["shifted", "unshifted"])
-def test_generation_pairs_feature_with_next_token(monkeypatch, mode):
+def test_generation_pairs_feature_with_next_token(mode):
     """At inference the head's first input after the prompt pairs f_{P-1} with the sampled t_P, and a
     draft node's input pairs its parent's predicted feature with the node's own token; an "unshifted"
     head gets t_{P-1} and the parent's token instead, as in its training inputs."""
@@ -164,7 +164,8 @@ def test_generation_pairs_feature_with_next_token(monkeypatch, mode):
     target = Transformer(TINY).eval()
     head = EagleHead.for_target(TINY, input_mode=mode).eval()
     seen = {"draft": [], "verify": []}
-    real_prefill, real_draft, real_verify = generate.head_prefill, generate.draft_step, generate.verify
+    steps = generate.Steps()
+    real_prefill, real_draft, real_verify = steps.head_prefill, steps.draft, steps.verify
 
     def spy_prefill(model, h, next_tokens, features, input_pos, *rest):
         seen["next"], seen["pos"] = next_tokens.clone(), input_pos.clone()
@@ -178,11 +179,10 @@ def test_generation_pairs_feature_with_next_token(monkeypatch, mode):
         seen["verify"].append(node_tokens.clone())
         return real_verify(model, node_tokens, *rest)
 
-    monkeypatch.setattr(generate, "head_prefill", spy_prefill)
-    monkeypatch.setattr(generate, "draft_step", spy_draft)
-    monkeypatch.setattr(generate, "verify", spy_verify)
+    steps.head_prefill, steps.draft, steps.verify = spy_prefill, spy_draft, spy_verify
     prompt = [3, 8, 13, 21]
-    out, _ = generate.Session(target, 16, head, generate.parse_tree("chain-2")).generate(prompt, 2, generate.Sampling())
+    out, _ = generate.Session(target, 16, head, generate.parse_tree("chain-2"), steps).generate(prompt, 2,
+                                                                                              generate.Sampling())
     assert seen["pos"].tolist() == [0, 1, 2, 3]
     if mode == "shifted":
         assert seen["next"][0].tolist() == prompt[1:] + [out[0]]

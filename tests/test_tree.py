@@ -3,12 +3,25 @@ dynamic tree's parameters, and ancestor_mask."""
 import pytest
 import torch
 
-from tree import PAPER_TREE, DynamicTree, Tree, ancestor_mask, build_tree, chain, parse_tree
+from tree import PAPER_TREE, DynamicTree, Tree, ancestor_mask, build_tree, chain, parse_tree, tree_attention_mask
 
 
 def expected_nodes(paths):
     """Node order the buffers promise: the root, then the paths by depth, then by ranks."""
     return [()] + sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+
+
+def root_path(tree: Tree, node: int) -> list:
+    """Node indices from the root to `node`, by the parents buffer."""
+    path = [node]
+    while path[-1]:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+def leaf_paths(tree: Tree) -> list:
+    """The candidate paths: root-to-leaf node indices, one per leaf in node order."""
+    return [root_path(tree, leaf) for leaf in range(tree.num_nodes) if not tree.children[leaf]]
 
 
 def check_buffers(tree: Tree, paths):
@@ -38,18 +51,12 @@ def check_buffers(tree: Tree, paths):
         first_of[d] = first
         prev_first = first_of.get(d - 1, 0)
         assert (parent_in_level + prev_first).tolist() == tree.parents[first:end].tolist()
-    # retrieve_indices: one row per leaf, the root-to-leaf path padded with -1
-    leaves = [i for i in range(n) if not tree.children[i]]
-    assert tree.retrieve_indices.shape == (len(leaves), tree.max_depth + 1)
-    row_leaves = []
-    for row in tree.retrieve_indices.tolist():
-        path = [i for i in row if i >= 0]
-        assert row == path + [-1] * (len(row) - len(path))
-        assert path[0] == 0
-        assert all(tree.parents[b] == a and tree.depths[b] == d for d, (a, b) in enumerate(zip(path, path[1:]), 1))
-        assert not tree.children[path[-1]]
-        row_leaves.append(path[-1])
-    assert sorted(row_leaves) == leaves
+    # candidate paths: one per leaf, root to leaf, each node's path one step longer than its parent's
+    leaves = [i for i, p in enumerate(nodes) if not any(q[:-1] == p for q in nodes[1:])]
+    assert [path[-1] for path in leaf_paths(tree)] == leaves
+    for path in leaf_paths(tree):
+        assert path[0] == 0 and len(path) == len(nodes[path[-1]]) + 1 <= tree.max_depth + 1
+        assert all(nodes[b][:-1] == nodes[a] and tree.depths[b] == d for d, (a, b) in enumerate(zip(path, path[1:]), 1))
     # ancestor_mask (used for the dynamic tree) rebuilds the same mask and depths from the parents
     mask, depths = ancestor_mask(tree.parents, tree.max_depth)
     assert torch.equal(mask, tree.tree_mask) and torch.equal(depths, tree.depths)
@@ -60,13 +67,13 @@ def test_paper_tree():
     assert len(PAPER_TREE) == 25
     check_buffers(tree, PAPER_TREE)
     assert tree.num_nodes == 26 and tree.max_depth == 5 and tree.max_rank == 3
-    assert tree.retrieve_indices.shape == (15, 6)  # 15 leaves
+    assert len(leaf_paths(tree)) == 15 and max(map(len, leaf_paths(tree))) == 6  # 15 leaves
     assert [end - first for first, end, _ in tree.levels] == [4, 8, 8, 3, 2]
     assert [int((tree.depths == d).sum()) for d in range(6)] == [1, 4, 8, 8, 3, 2]
     # spot checks against the paper's path list: node 1 is [0], node 5 is [0, 0], the deepest is [0,0,0,0,1]
     assert tree.paths[0] == [0] and tree.paths[4] == [0, 0] and tree.paths[-1] == [0, 0, 0, 0, 1]
-    assert tree.retrieve_indices[0].tolist() == [0, 2, 9, -1, -1, -1]  # leaf [1, 1]
-    assert tree.retrieve_indices[-1].tolist() == [0, 1, 5, 13, 21, 25]  # leaf [0, 0, 0, 0, 1]
+    assert root_path(tree, 9) == [0, 2, 9] and not tree.children[9]  # leaf [1, 1]
+    assert root_path(tree, 25) == [0, 1, 5, 13, 21, 25] and not tree.children[25]  # leaf [0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize("length", [1, 2, 4, 7])
@@ -77,7 +84,7 @@ def test_chain(length):
     assert torch.equal(tree.tree_mask, torch.ones(n, n, dtype=torch.bool).tril())
     assert tree.depths.tolist() == list(range(n))
     assert tree.parents.tolist() == [0] + list(range(length))
-    assert tree.retrieve_indices.tolist() == [list(range(n))]
+    assert leaf_paths(tree) == [list(range(n))]
     assert [(first, end) for first, end, _ in tree.levels] == [(d, d + 1) for d in range(1, n)]
 
 
@@ -88,7 +95,7 @@ def test_custom_path_list():
     check_buffers(tree, paths)
     assert tree.paths == paths
     assert tree.parents.tolist() == [0, 0, 0, 0, 1, 1, 2, 6]
-    assert tree.retrieve_indices.tolist() == [[0, 3, -1, -1], [0, 1, 4, -1], [0, 1, 5, -1], [0, 2, 6, 7]]
+    assert leaf_paths(tree) == [[0, 3], [0, 1, 4], [0, 1, 5], [0, 2, 6, 7]]
     assert torch.equal(build_tree(paths).tree_mask, tree.tree_mask)
 
 
@@ -139,3 +146,14 @@ def test_ancestor_mask_of_a_dynamic_shape():
     assert mask[7].nonzero().flatten().tolist() == [0, 1, 3, 6, 7]
     assert mask[5].nonzero().flatten().tolist() == [0, 2, 5]
     assert mask.sum().item() == int((depths + 1).sum())
+
+
+def test_tree_attention_mask_sees_prefix_and_ancestors():
+    """One builder for verify (the whole tree at slots base..) and the head's draft steps (rows of some
+    nodes over scratch slots): row i sees slots < base and slot base + j where tree_mask[i, j]."""
+    tree = parse_tree("[[0], [1], [0, 0]]")
+    mask = tree_attention_mask(3, tree.tree_mask, 9)
+    assert mask.shape == (4, 9) and mask[:, :3].all() and not mask[:, 7:].any()
+    assert torch.equal(mask[:, 3:7], tree.tree_mask)
+    rows = tree_attention_mask(5, tree.tree_mask[2:, 1:], 8)  # nodes 2, 3 over the 3 scratch slots of nodes 1..3
+    assert rows.tolist() == [[True] * 5 + [False, True, False], [True] * 5 + [True, False, True]]
