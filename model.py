@@ -163,6 +163,12 @@ class Transformer(nn.Module):
     def kv_caches(self):
         return [layer.attention.kv_cache for layer in self.layers]
 
+    def keep_batch_rows(self, rows: Tensor):
+        """Keep only these batch rows (indices or a bool mask) of the KV caches: finished sequences leave."""
+        for cache in self.kv_caches():
+            cache.k_cache, cache.v_cache = cache.k_cache[rows], cache.v_cache[rows]
+        self.max_batch_size = self.kv_caches()[0].k_cache.shape[0]
+
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T].

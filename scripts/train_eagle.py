@@ -139,9 +139,7 @@ def batch_generate(model: Transformer, prompts: list, max_new_tokens: int, stop_
             break
         if not keep.all():
             alive, nxt, key_valid = alive[keep], nxt[keep], key_valid[keep]
-            for cache in model.kv_caches():
-                cache.k_cache, cache.v_cache = cache.k_cache[keep], cache.v_cache[keep]
-            model.max_batch_size = len(alive)
+            model.keep_batch_rows(keep)
         mask = (torch.arange(S)[None, :] <= P + step) & key_valid
         logits, feats = model(nxt[:, None], torch.tensor([P + step]), mask=mask[:, None, None])
         for j, b in enumerate(alive.tolist()):
