@@ -157,10 +157,9 @@ def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, featu
 
 
 class Steps:
-    """The model steps a Session runs: the target's prefill, decode and verify; the head's draft, its
-    update after a commit (head_extend) and its prompt catch-up (head_prefill, head_extend again). Steps()
-    runs them eagerly, Steps.compiled(device) through torch.compile; nothing else differs, so eager and
-    compiled sessions can run side by side in one process."""
+    """The model steps a Session runs: the target's prefill, decode and verify; the head's draft, update
+    (head_extend after a commit) and prefill (head_extend on the prompt). Steps() runs them eagerly,
+    Steps.compiled(device) through torch.compile; eager and compiled sessions can share a process."""
 
     def __init__(self, fixed: Optional[Callable] = None, variable: Optional[Callable] = None):
         """fixed, variable: what wraps the fixed-shape steps and the two prefills (None: nothing)."""
@@ -292,11 +291,8 @@ class Session:
         """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).
         on_tokens(list) is called with each batch of committed tokens (for streaming)."""
         self.check_fits(len(prompt), max_new_tokens)
-        common = 0
-        for a, b in zip(self.tokens[: self.target_len], prompt):
-            if a != b:
-                break
-            common += 1
+        cached = self.tokens[: self.target_len]
+        common = next((i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
         self.target_len = min(common, len(prompt) - 1)  # at least one token to prefill
         self.head_len = min(self.head_len, self.target_len)
         self.tokens = list(prompt)

@@ -133,16 +133,14 @@ class Tree:
         return self
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: fill the fixed tree, one head forward per level on all nodes of the level at once.
-        session: its steps, model (the target), head and window; root: the head's prediction after the
-        root's own pair (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely
-        draft token. With sampling (temperature > 0) the children of a node are draws without replacement
-        from the head's distribution q (its logits through the same temperature / top-k / top-p as the
-        target's), rank r = the r-th draw; a drawn token is accepted with probability min(1, p/q), about
-        sum_x min(p(x), q(x)), where the argmax is accepted with probability p(argmax q) only. Then
-        draft_probs holds q per node [n, vocab] (row i: the law node i's children were drawn from).
-        Head scratch slot of node j: base + j - 1 (base = session.target_len, the root's own pair was fed
-        already); rotary position of depth d: base + d - 1."""
+        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes, through the session's
+        steps, model (the target), head and window; root: the head's prediction after the root's own pair
+        (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely draft token.
+        Sampling: a node's children are draws without replacement from the head's q (its logits through the
+        target's temperature / top-k / top-p), rank r = the r-th draw, kept in draft_probs; accepted with
+        min(1, p/q), about sum_x min(p(x), q(x)), where the argmax would be with p(argmax q) only.
+        Head scratch slot of node j: base + j - 1; rotary position of depth d: base + d - 1 (base =
+        session.target_len, the root's slot)."""
         steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
         device, k = root.hidden.device, self.max_rank + 1
         tokens = torch.empty(self.num_nodes, dtype=torch.long, device=device)
