@@ -629,6 +629,7 @@ def cmd_eval(args):
 
 # ---------------------------------------------------------------- online training with training-time test
 TTT_DECAY = 0.8  # EAGLE-3: the loss of unrolled draft step s weighs 0.8 ** s
+EVAL_STEPS = 3  # held-out top-1 after 0..3 predicted features, as evaluate() reports it
 
 
 def cpu_has_bf16() -> bool:
@@ -771,7 +772,7 @@ def unrolled_loss(head, steps: list, ce_weight: float = PAPER_CE_WEIGHT) -> Tens
 
 
 @torch.no_grad()
-def evaluate_unrolled(target: Transformer, head, sequences: list, steps: int = 3) -> dict:
+def evaluate_unrolled(target: Transformer, head, sequences: list, steps: int = EVAL_STEPS) -> dict:
     """Held-out CE and top-1 accuracy after 0..steps predicted features (draft depth 1..steps + 1), one
     sequence at a time in the caller's precision, features computed by the target as at inference. As
     evaluate() reports them: per-sequence means weighted by the sequence's answer tokens, so an EagleHead
@@ -877,7 +878,8 @@ def cmd_online(args):
     ckpt = torch.load(ckpt_path, weights_only=False, map_location=device) if ckpt_path.exists() else None
     head = online_head(args, target, train, out, ckpt).to(device)
     depth = args.ttt_steps
-    head.setup_rope(max([args.pack_len] + [len(s["tokens"]) for seqs in evals.values() for s in seqs]) + depth)
+    longest = max([args.pack_len] + [len(s["tokens"]) for seqs in evals.values() for s in seqs])
+    head.setup_rope(longest + max(depth, EVAL_STEPS + 1))  # rotary positions j + s of the unrolled steps
     optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     rows_per_epoch = len(pack_rows([len(s["tokens"]) for s in train], args.pack_len))
     total_steps = args.max_steps or math.ceil(rows_per_epoch / args.batch_size) * args.epochs

@@ -223,12 +223,12 @@ def copycat_head(target: Transformer, draft_vocab=None) -> Eagle3Head:
     return head
 
 
-def eagle3_session(model, head, max_seq_len, tree):
+def eagle3_session(model, head, max_seq_len, tree, steps=None):
     """generate.Session with an EAGLE-3 head. What generate.py does not do yet (the two lines marked):
     the target returns the head's fused features, and the session's feature buffer is that wide."""
     head.check_fits(model.config, model.config.vocab_size)
     model.feature_layers = head.feature_layers  # (1)
-    session = generate.Session(model, max_seq_len, head, tree)
+    session = generate.Session(model, max_seq_len, head, tree, steps)
     session.features = torch.zeros(session.features.shape[0], head.feature_dim)  # (2)
     return session
 
@@ -265,27 +265,29 @@ def test_greedy_eagle3_equals_vanilla(spec, kind):
     model.feature_layers = None
 
 
-def test_generation_feeds_fused_features_then_own_hiddens(monkeypatch):
+def test_generation_feeds_fused_features_then_own_hiddens():
     """After a target forward (the prompt, each commit) the head reads the target's fused features
     (3 * dim wide, the hidden states at its layers); at a draft step, the hidden it output for the
     node's parent (dim wide)."""
     model, seen = tiny_target(), []
     head = random_head(EVEN)
-    real = {name: getattr(generate, name) for name in ("head_prefill", "head_extend", "draft_step")}
+    steps = generate.Steps()
 
     def spy(name):
-        def call(target, h, tokens, features, *rest):
-            out = real[name](target, h, tokens, features, *rest)
-            seen.append((name, features.clone(), out[0].clone()))
-            return out
-        return call
+        real = getattr(steps, name)
 
-    for name in real:
-        monkeypatch.setattr(generate, name, spy(name))
+        def call(target, h, tokens, features, *rest):
+            out = real(target, h, tokens, features, *rest)
+            seen.append((name, features.clone(), out.hidden.clone()))
+            return out
+        setattr(steps, name, call)
+
+    for name in ("head_prefill", "draft", "head_update"):
+        spy(name)
     prompt = [3, 8, 13, 21, 34]
-    eagle3_session(model, head, 16, parse_tree("chain-3")).generate(prompt, 6, generate.Sampling())
+    eagle3_session(model, head, 16, parse_tree("chain-3"), steps).generate(prompt, 6, generate.Sampling())
     names = [name for name, _, _ in seen]
-    assert names[:4] == ["head_prefill", "draft_step", "draft_step", "head_extend"]
+    assert names[:4] == ["head_prefill", "draft", "draft", "head_update"]
     model.feature_layers = None
     model.setup_caches(1, 16)
     _, post_norm = model(torch.tensor([prompt]), torch.arange(5))
@@ -294,7 +296,7 @@ def test_generation_feeds_fused_features_then_own_hiddens(monkeypatch):
     torch.testing.assert_close(seen[0][1], fused)  # the prompt's fused features
     assert not torch.allclose(seen[0][1][..., -TINY.dim:], post_norm)
     for (name, features, _), (_, _, parent_out) in zip(seen[1:], seen):
-        if name == "draft_step":  # a chain: the parent is the previous call's only output row
+        if name == "draft":  # a chain: the parent is the previous call's only output row
             assert features.shape[-1] == TINY.dim
             torch.testing.assert_close(features, parent_out[:, -1:])
         else:
@@ -444,7 +446,7 @@ def online(monkeypatch, ckpt, data, out, *extra):
     from scripts import train_eagle
 
     monkeypatch.setattr("sys.argv", ["train_eagle.py", "online", "--checkpoint", str(ckpt), "--shards", str(data),
-                                     "--out", str(out), "--draft_vocab", "0", "--pack_len", "32", "--batch_size", "2",
+                                     "--out", str(out), "--draft_vocab", "0", "--pack_len", "23", "--batch_size", "2",
                                      "--ttt_steps", "2", "--lr", "3e-3", "--warmup", "1", "--eval_every", "3",
                                      "--save_every", "1", "--no-bf16", "--threads", "1", *extra])
     torch.set_grad_enabled(True)
@@ -484,7 +486,7 @@ def test_online_training_saves_resumes_and_lowers_the_loss(tmp_path, monkeypatch
 
     def loss(head):
         head.setup_rope(40)
-        rows = pack_rows([len(s["tokens"]) for s in sequences], 32)
+        rows = pack_rows([len(s["tokens"]) for s in sequences], 23)
         return unrolled_loss(head, unrolled_steps(target, head, target_pass(target, head, packed_batch(sequences, rows)), 2)).item()
 
     assert loss(trained) < loss(fresh)
