@@ -298,7 +298,6 @@ class Eagle3Head(nn.Module):
         d2t = None if ids is None else ids - torch.arange(n_draft, device=ids.device)
         self.register_buffer("d2t", d2t)  # [draft vocab] int64 offsets; None: the whole vocabulary
         self.max_seq_len = 0
-        self.quantized_with = None  # set by quantize.quantize_head (lm_head is one of the quantized linears)
 
     @classmethod
     def for_target(cls, target_config: ModelArgs, draft_vocab: Optional[Tensor] = None,
