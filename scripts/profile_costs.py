@@ -1,0 +1,315 @@
+"""Cost model of this machine for tree.auto_tree: what each piece of an EAGLE cycle costs against its rows.
+
+    python quantize.py --mode int4 --groupsize 32 --quantize_lm_head   # the int4 / int8 files, if missing
+    python quantize.py --mode int8
+    python scripts/profile_costs.py --threads 1                        # -> ~/.cache/eagle-fast/costs-<key>.json
+
+Per precision (fp32, bf16 = model.pth in float32 / bfloat16; int8 = model_int8.pth; int4 =
+model_int4.g32.pth; the files that exist), after PREFIX cached tokens, medians of --reps timings taken
+round-robin over every precision, piece and row count (so load on the machine spreads evenly), of this
+thread's CPU time (a shared machine's other processes stretch wall time, not it; wall medians are kept too):
+- verify_ms[n]: the target's forward over n new rows with the greedy argmax in the graph (a verify of n
+  tree nodes; n = 1 is a vanilla decode step);
+- draft_ms[m]: a head draft step over m nodes (one tree level) with its draft LM head and top-k;
+- update_ms[r]: the head's update forward over r = depth + 1 committed rows, drafting the next root;
+- move_ms[r]: moving r accepted rows' KV entries in every layer (trees only; a chain's path is in place).
+The three forwards are compiled once each with the row count marked dynamic (torch._dynamo.mark_dynamic;
+one row is always a graph of its own, as Dynamo specialises size 1): a fixed-shape graph per row count
+would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
+compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
+dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
+model calls; this script does not import generate.py). overhead_ms and decode_overhead_ms (host work of a
+cycle / of a vanilla step beyond these forwards) are arguments, from generate.py's phase times (defaults:
+this machine's, see main).
+
+The JSON is keyed by instruction set (amx / avx512_bf16 / avx512 / avx2, from /proc/cpuinfo), thread
+count and torch version, the things the curves depend on; tree.CycleCosts.from_profile reads it.
+"""
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import types
+from datetime import date
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from eagle_head import EagleHead  # noqa: E402
+from model import Transformer, causal_mask  # noqa: E402
+
+CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
+HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
+PRECISIONS = {"fp32": ("model.pth", torch.float32), "bf16": ("model.pth", torch.bfloat16),
+              "int8": ("model_int8.pth", None), "int4": ("model_int4.g32.pth", None)}
+ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
+UPDATE_ROWS = list(range(2, 10))  # depth 1..8
+PREFIX = 300
+PIECES = ("verify", "draft", "update", "move")
+TOP_K = 4  # draft top-k of a draft step / head update (a tree's max rank + 1; its cost hardly varies)
+
+
+def rows_of(piece: str) -> list:
+    return ROWS if piece in ("verify", "draft") else UPDATE_ROWS
+
+
+def instruction_set() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    for name, needs in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if needs in flags:
+            return name
+    return platform.machine() or "unknown"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def profile_key(threads: int) -> str:
+    return f"{instruction_set()}-t{threads}-torch{torch.__version__}"
+
+
+def default_out(threads: int) -> Path:
+    return Path.home() / ".cache" / "eagle-fast" / f"costs-{profile_key(threads)}.json"
+
+
+# ---------------------------------------------------------------- the cycle's steps (as in generate.py)
+def verify_rows(model, tokens, input_pos, mask):
+    """generate.verify, greedy: the target over tokens [1, n] at slots input_pos; greedy tokens and features."""
+    logits, features = model(tokens, input_pos, mask=mask)
+    return logits[0].float().argmax(-1), features
+
+
+def draft_rows(model, head, tokens, features, input_pos, mask):
+    """generate.draft_step: head forward on a level's nodes, draft logits, top-k draft tokens."""
+    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask, input_pos)
+    top = head.draft_logits(hidden).float().log_softmax(-1).topk(TOP_K, dim=-1)
+    return hidden, top.values, head.token_ids(top.indices)
+
+
+def update_rows(model, head, tokens, features, input_pos, mask, last):
+    """generate.head_extend: head forward on committed pairs, the next root's draft from row `last`."""
+    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask).index_select(1, last)
+    top = head.draft_logits(hidden).float().log_softmax(-1).topk(TOP_K, dim=-1)
+    return hidden, top.values, head.token_ids(top.indices)
+
+
+def fresh(fn, tag: str):
+    """A copy of fn with a code object of its own, so that torch.compile keeps its graphs apart (Dynamo
+    caches graphs per code object: a fixed-shape compile of verify_rows would otherwise reuse the
+    dynamic graph, and four precisions would share one cache)."""
+    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__)
+
+
+def compiled(fn, tag: str):
+    return torch.compile(fresh(fn, tag), fullgraph=True, dynamic=False)
+
+
+def dynamic(*marks):
+    """mark_dynamic (tensor, dims) pairs, except dims of size 1 (Dynamo specialises those)."""
+    for tensor, dims in marks:
+        for d in dims:
+            if tensor.shape[d] > 1:
+                torch._dynamo.mark_dynamic(tensor, d)
+
+
+class Pieces:
+    """One precision's target and head with PREFIX tokens cached, and a callable per piece and row count."""
+
+    def __init__(self, precision: str, mode: str):
+        name, dtype = PRECISIONS[precision]
+        self.checkpoint = CHECKPOINT_DIR / name
+        if dtype is None:  # quantize.py's files
+            from quantize import load_quantized
+            self.model = load_quantized(self.checkpoint)
+        else:
+            self.model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
+        dtype = self.model.tok_embeddings.weight.dtype
+        self.head = EagleHead.load(HEAD_DIR, dtype=dtype)
+        if getattr(self.model, "quantization", None) is not None:
+            from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
+            quantize_head_like(self.head, self.model)
+        else:
+            self.head.bind(self.model.output.weight)
+        slots = PREFIX + max(ROWS) + 16
+        self.model.setup_caches(1, slots)
+        self.head.setup_caches(slots)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, self.model.config.vocab_size, (1, PREFIX + 1), generator=g)
+        pos = torch.arange(PREFIX)
+        _, feats = self.model(prompt[:, :PREFIX], pos, mask=causal_mask(pos, PREFIX))
+        self.head(self.model.tok_embeddings(prompt[:, 1:]), feats, pos, causal_mask(pos, PREFIX))
+        self.feature = feats[:, -1:]
+        self.steps = {"verify": verify_rows, "draft": draft_rows, "update": update_rows}
+        if mode != "eager":
+            self.steps = {k: compiled(f, precision) for k, f in self.steps.items()}
+
+    def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
+        """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension
+        marked dynamic, or with rows_dynamic False only the cache slots, as generate.py does)."""
+        steps = steps or self.steps
+        pos = torch.arange(PREFIX, PREFIX + rows)
+        tokens = torch.randint(0, 1000, (1, rows))
+        mask = causal_mask(pos, PREFIX + rows)
+        if piece == "verify":
+            dynamic(*([(tokens, [1]), (pos, [0]), (mask, [0, 1])] if rows_dynamic else [(mask, [1])]))
+            return lambda: steps["verify"](self.model, tokens, pos, mask)
+        features = self.feature.expand(1, rows, -1).contiguous()
+        dynamic((tokens, [1]), (pos, [0]), (mask, [0, 1]), (features, [1]))
+        if piece == "draft":
+            return lambda: steps["draft"](self.model, self.head, tokens, features, pos, mask)
+        if piece == "update":
+            last = torch.tensor([rows - 1])
+            return lambda: steps["update"](self.model, self.head, tokens, features, pos, mask, last)
+        caches = self.model.kv_caches()  # move: as Session's commit, eager
+        src, dst = pos + rows, pos
+        return lambda: [c.move(src, dst) for c in caches]
+
+
+def median_ms(times: list) -> float:
+    return round(statistics.median(times) * 1000, 4)
+
+
+def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
+    """jobs: {name: callable}; each rep runs every job once in a fresh random order. Median ms per job of
+    this thread's CPU time (what the call costs on an idle core: a busy machine's other processes stretch
+    wall time, not it) and of wall time."""
+    cpu, wall = {name: [] for name in jobs}, {name: [] for name in jobs}
+    names, rng = list(jobs), random.Random(seed)
+    for _ in range(reps):
+        rng.shuffle(names)
+        for name in names:
+            start_cpu, start = time.thread_time(), time.perf_counter()
+            jobs[name]()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - start_cpu)
+    return {name: median_ms(t) for name, t in cpu.items()}, {name: median_ms(t) for name, t in wall.items()}
+
+
+def plot(profile: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for precision, c in profile["precisions"].items():
+        rows = [int(n) for n in c["verify_ms"]]
+        line, = axes[0].plot(rows, list(c["verify_ms"].values()), marker="o", ms=3, label=f"{precision} verify")
+        axes[1].plot([int(n) for n in c["draft_ms"]], list(c["draft_ms"].values()), marker="o", ms=3,
+                     color=line.get_color(), label=f"{precision} draft step")
+    axes[0].set(xlabel="rows (tree nodes incl. the root)", ylabel="ms", title="target forward after "
+                f"{profile['prefix_len']} cached tokens")
+    axes[1].set(xlabel="rows (nodes of one tree level)", ylabel="ms", title="head draft step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{profile['cpu']} ({profile['isa']}), {profile['threads']} thread(s), torch {profile['torch']}, "
+                 f"{profile['mode']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="JSON path (default ~/.cache/eagle-fast/costs-<isa>-t<threads>-torch<v>.json)")
+    p.add_argument("--plot", type=Path, help="also write a plot of the curves here (PNG)")
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--mode", choices=["dynamic", "eager"], default="dynamic",
+                   help="dynamic: compiled once with the row count dynamic; eager: not compiled")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--check_rows", type=int, nargs="*", default=[4, 16, 48],
+                   help="row counts where fixed-shape compiled verifies are timed against the curve")
+    # defaults: AVX-512 BF16, int4 compiled, one thread: chain-1's phases (draft 0.1 + verify 16.7 + commit 1.9 ms,
+    # results/2026-11-30-amd-epyc-2cpu-avx512-bf16-mtbench80-v8) less its forwards (verify 16.86, head update 1.16,
+    # results/2026-12-01-cycle-overheads); vanilla's decode phase 14.0 less its forward 13.76
+    p.add_argument("--overhead_ms", type=float, default=0.8, help="host work of a cycle beyond its forwards")
+    p.add_argument("--decode_overhead_ms", type=float, default=0.25, help="host work of a vanilla step beyond its forward")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    start, load_before = time.perf_counter(), os.getloadavg()
+    pieces, compile_s = {}, {}
+    for precision in args.precisions:
+        if not (CHECKPOINT_DIR / PRECISIONS[precision][0]).is_file():
+            print(f"{precision}: {PRECISIONS[precision][0]} missing, skipped (see quantize.py)", file=sys.stderr)
+            continue
+        pieces[precision] = Pieces(precision, args.mode)
+    jobs, graphs = {}, {}
+    counters = torch._dynamo.utils.counters
+    for precision, pc in pieces.items():
+        t, before = time.perf_counter(), counters["stats"]["unique_graphs"]
+        for piece, rows in [(piece, n) for piece in PIECES for n in rows_of(piece)]:
+            jobs[precision, piece, rows] = pc.call(piece, rows)
+            jobs[precision, piece, rows]()  # compiles (once per piece, and for one row) and warms up
+            jobs[precision, piece, rows]()
+        compile_s[precision] = round(time.perf_counter() - t, 1)
+        graphs[precision] = counters["stats"]["unique_graphs"] - before
+        print(f"{precision}: warm in {compile_s[precision]} s, {graphs[precision]} graphs", file=sys.stderr)
+    medians, wall = timed_round_robin(jobs, args.reps)
+    check = {}
+    if args.check_rows:  # fixed-shape graphs (one per row count, as generate.py's) against the curve and eager
+        check_jobs = {}
+        for precision, pc in pieces.items():
+            for n in args.check_rows:
+                fixed = {"verify": compiled(verify_rows, f"{precision}_{n}")}
+                check_jobs[precision, "fixed", n] = pc.call("verify", n, fixed, rows_dynamic=False)
+                check_jobs[precision, "fixed", n]()
+                check_jobs[precision, "fixed", n]()
+                check_jobs[precision, "eager", n] = pc.call("verify", n, {"verify": verify_rows})
+                check_jobs[precision, "curve", n] = jobs[precision, "verify", n]
+        checked, checked_wall = timed_round_robin(check_jobs, args.reps, seed=1)
+        for precision in pieces:
+            check[precision] = {"rows": args.check_rows, **{kind: [checked[precision, kind, n] for n in args.check_rows]
+                                                           for kind in ("fixed", "curve", "eager")},
+                                "wall": {kind: [checked_wall[precision, kind, n] for n in args.check_rows]
+                                         for kind in ("fixed", "curve", "eager")}}
+    profile = {
+        "key": profile_key(args.threads), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
+        "torch": torch.__version__, "date": date.today().isoformat(),
+        "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))
+                                         if Path(sys.argv[0]).resolve().is_relative_to(REPO) else sys.argv[0]]
+                                        + sys.argv[1:]),
+        "prefix_len": PREFIX, "reps": args.reps, "top_k": TOP_K,
+        "clock": "median thread CPU time per call (wall_ms: median wall time)",
+        "mode": "compiled, rows dynamic (1 row: its own graph)" if args.mode == "dynamic" else "eager",
+        "overhead_ms": args.overhead_ms, "decode_overhead_ms": args.decode_overhead_ms,
+        "precisions": {precision: {
+            "checkpoint": str(pc.checkpoint.relative_to(REPO)), "dtype": str(pc.model.tok_embeddings.weight.dtype),
+            **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},
+            "wall_ms": {piece: {str(n): wall[precision, piece, n] for n in rows_of(piece)} for piece in PIECES}}
+            for precision, pc in pieces.items()},
+        "check": check, "warm_up_s": compile_s, "graphs": graphs,
+        "load_average": {"start": [round(v, 2) for v in load_before], "end": [round(v, 2) for v in os.getloadavg()]},
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+    out = args.out or default_out(args.threads)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    if args.plot:
+        plot(profile, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
