@@ -8,6 +8,24 @@ from tokenizer import ensure_default_model
 torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # never more threads than cores we may use
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="where the tests marked `device` run (cpu, cuda); "
+                     "scripts/gpu_check.py selects them with -m device --device cuda")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: a test that runs on --device (the GPU check selects these)")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The --device the `device` tests run on (default cpu)."""
+    name = request.config.getoption("--device")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.exit("--device cuda asked for, but this machine has no CUDA device", returncode=4)
+    return name
+
+
 @pytest.fixture(scope="session")
 def default_checkpoint():
     """model.pth of the default SmolLM2-135M-Instruct, converted from the packaged GGUF once."""

@@ -36,14 +36,14 @@ pytestmark = pytest.mark.usefixtures("lean_torch")
 
 
 # ---------------------------------------------------------------- helpers
-def tiny_target(vocab_size=64, n_layer=2, out_scale=3.0, seed=0) -> Transformer:
+def tiny_target(vocab_size=64, n_layer=2, out_scale=3.0, seed=0, device="cpu") -> Transformer:
     """A random target; `out_scale` sharpens its next-token distributions."""
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(dim=32, n_layer=n_layer, n_head=4, n_local_heads=2, intermediate_size=64,
                                   vocab_size=vocab_size)).eval()
     with torch.no_grad():
         model.output.weight.mul_(out_scale)
-    return model
+    return model.to(device)
 
 
 def copycat_head(target: Transformer, noise=0.5, sharpness=2.0, seed=1) -> EagleHead:
@@ -60,12 +60,12 @@ def copycat_head(target: Transformer, noise=0.5, sharpness=2.0, seed=1) -> Eagle
         head.fc.bias.zero_()
         head.attention.wo.weight.mul_(noise)
         head.feed_forward.w2.weight.mul_(noise)
-    return head
+    return head.to(target.output.weight.device)
 
 
 def random_head(target: Transformer, seed=1) -> EagleHead:
     torch.manual_seed(seed)
-    return EagleHead.for_target(target.config).eval()
+    return EagleHead.for_target(target.config).eval().to(target.output.weight.device)
 
 
 def tiny_prompts(count, vocab_size, seed=0):
@@ -78,7 +78,8 @@ def causal_logits(model: Transformer, ids) -> torch.Tensor:
     """Logits of a plain causal forward over ids ([T] list or [B, T] tensor) that leaves the KV caches as
     they are (a session's cached state stays valid; only a model whose rotary tables are too short gets
     caches allocated). Returns [T, V] or [B, T, V]."""
-    idx = torch.as_tensor(ids)
+    device = model.output.weight.device
+    idx = torch.as_tensor(ids, device=device)
     batched = idx.dim() == 2
     idx = idx if batched else idx[None]
     T = idx.shape[1]
@@ -88,7 +89,7 @@ def causal_logits(model: Transformer, ids) -> torch.Tensor:
     for layer in model.layers:
         layer.attention.kv_cache = None
     try:
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=device)
         logits, _ = model(idx, pos, mask=causal_mask(pos, T))
     finally:
         for layer, cache in zip(model.layers, caches):
@@ -128,7 +129,7 @@ def assert_greedy_path(model, prompt, out):
     TIE), by one full forward over prompt + out: the vanilla greedy rule, checked at every position
     (cheaper than decoding vanilla token by token on the default model, and it keeps checking past a tie)."""
     logits = causal_logits(model, prompt + out[:-1])[len(prompt) - 1:]  # [len(out), V]
-    chosen = logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
+    chosen = logits.gather(-1, torch.tensor(out, device=logits.device)[:, None])[:, 0]
     gaps = (logits.max(-1).values - chosen).tolist()
     bad = [(i, gap) for i, gap in enumerate(gaps) if gap >= TIE]
     assert not bad, (f"new token {bad[0][0]} ({out[bad[0][0]]}) is not the target's argmax: its logit is "
@@ -156,26 +157,27 @@ def check_stats(stats, out, max_new_tokens, tree):
 TINY_TREES = ["paper", "chain-4", "dynamic-4-4-12", "dynamic-8-5-10", CUSTOM_TREE]
 
 
-def tiny_case(head_kind):
+def tiny_case(head_kind, device="cpu"):
     """copycat: long and partial acceptances; draft-vocab: the copycat drafting from even token ids only;
     random: a random head, rejected nearly always (tiny greedy targets fall into short cycles, which a
     random draft hits or misses for good, so its acceptances are luck and are not asserted)."""
-    model = tiny_target()
+    model = tiny_target(device=device)
     if head_kind == "random":
         return model, random_head(model)
     head = copycat_head(model)
     if head_kind == "draft-vocab":
-        head.draft_vocab = torch.arange(0, model.config.vocab_size, 2)
+        head.draft_vocab = torch.arange(0, model.config.vocab_size, 2, device=device)
     return model, head
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("spec", TINY_TREES)
 @pytest.mark.parametrize("head_kind", ["copycat", "draft-vocab", "random"])
-def test_greedy_tiny_equals_vanilla(spec, head_kind):
+def test_greedy_tiny_equals_vanilla(spec, head_kind, device):
     """Greedy EAGLE == vanilla on a tiny target, each session sized exactly prompt + max_new_tokens.
     dynamic-8-5-10 drafts into more head slots ((5 - 1) * 8) than it verifies nodes."""
-    model, head = tiny_case(head_kind)
-    tree = parse_tree(spec)
+    model, head = tiny_case(head_kind, device)
+    tree = parse_tree(spec).to(device)
     n = 32
     accepts = []
     for prompt in tiny_prompts(3, model.config.vocab_size):
@@ -493,16 +495,16 @@ def first_tokens_law(model, prompt, sampling, vocab_size=E2E_VOCAB):
     return {(a, b, c): float(joint[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
 
 
-def sampling_e2e(config, verifier, monkeypatch, seed=0):
+def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu"):
     """G-test p-value of EAGLE's first three new tokens (one generate call per sample, the session reused
     so the prompt's cache prefix is too), the verifier's counts, and the acceptance lengths."""
     spec, sampling = SAMPLING_CONFIGS[config]
-    model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
+    model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0, device=device)
     head = copycat_head(model)
     law = first_tokens_law(model, E2E_PROMPT, sampling)
     log = VerifierLog(verifier)
     monkeypatch.setattr(generate, "accept_sampling", log)
-    session = Session(model, len(E2E_PROMPT) + 3, head, parse_tree(spec))
+    session = Session(model, len(E2E_PROMPT) + 3, head, parse_tree(spec).to(device))
     torch.manual_seed(seed)
     observed, accepts = collections.Counter(), collections.Counter()
     for _ in range(E2E_SAMPLES[config]):
@@ -512,9 +514,10 @@ def sampling_e2e(config, verifier, monkeypatch, seed=0):
     return g_test(observed, law), log.counts, accepts
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("config", E2E_CONFIGS)
-def test_sampling_is_lossless(config, monkeypatch):
-    p, counts, accepts = sampling_e2e(config, generate.accept_sampling, monkeypatch)
+def test_sampling_is_lossless(config, monkeypatch, device):
+    p, counts, accepts = sampling_e2e(config, generate.accept_sampling, monkeypatch, device=device)
     assert p > P_PASS, f"{config}: G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
     # static trees draw their drafts from the head's q; the dynamic tree keeps its best-scored tokens
     assert counts["sampled_drafts"] == (0 if "dynamic" in config else counts["cycles"])
@@ -526,8 +529,9 @@ def test_sampling_is_lossless(config, monkeypatch):
     assert counts["children_rejected"] > 0.1 * counts["cycles"]
 
 
-def test_sampling_with_a_broken_verifier_fails(monkeypatch):
-    p, _, _ = sampling_e2e(MAIN_E2E, accept_sampling_without_residual, monkeypatch)
+@pytest.mark.device
+def test_sampling_with_a_broken_verifier_fails(monkeypatch, device):
+    p, _, _ = sampling_e2e(MAIN_E2E, accept_sampling_without_residual, monkeypatch, device=device)
     assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
 
 
@@ -588,7 +592,8 @@ def test_greedy_drafts_are_not_sampled(monkeypatch):
 
 
 # ---------------------------------------------------------------- compiled steps
-def test_compiled_steps_do_not_recompile():
+@pytest.mark.device
+def test_compiled_steps_do_not_recompile(device):
     """After a warm-up generation greedy and one sampling (the target's steps return greedy tokens or
     logits, one graph each), further generations (other prompt lengths, a follow-up turn, sampling)
     reuse the compiled graphs: torch._dynamo errors on any recompile. Vanilla, a static tree and a chain.
@@ -596,8 +601,9 @@ def test_compiled_steps_do_not_recompile():
     it is compiled once.
     Recompiles are decided by dynamo's guards, whatever the backend; the aot_eager backend keeps full-graph
     tracing and AOT functionalisation of the cache writes but skips inductor's C++ build, which takes
-    ~2.5 minutes here on two busy cores (the same test with inductor: drop the backend option)."""
-    model = tiny_target(vocab_size=32)
+    ~2.5 minutes here on two busy cores (the same test with inductor: drop the backend option). On CUDA
+    (scripts/gpu_check.py) it runs with inductor and CUDA graphs, as generate.py --compile does there."""
+    model = tiny_target(vocab_size=32, device=device)
     head = copycat_head(model)
     prompts = tiny_prompts(3, 32, seed=3)
     n = 12
@@ -605,11 +611,12 @@ def test_compiled_steps_do_not_recompile():
     follow_up = prompts[0] + refs[0] + [3, 4]
     ref_follow_up = vanilla_greedy(model, follow_up, n)
     torch._dynamo.reset()
-    steps = generate.Steps.compiled("cpu", prefill_too=False, backend="aot_eager")
+    steps = generate.Steps.compiled(device, prefill_too=False,
+                                    **({} if device.startswith("cuda") else {"backend": "aot_eager"}))
     try:
         for spec in [None, "[[0], [1], [0, 0], [1, 0]]", "chain-2"]:  # None: vanilla decoding
             session = Session(model, 64, steps=steps) if spec is None else \
-                Session(model, 64, head, parse_tree(spec), steps)
+                Session(model, 64, head, parse_tree(spec).to(device), steps)
             out, stats = session.generate(prompts[0], n, Sampling())  # warm-up: compiles every shape
             assert out == refs[0] and (spec is None or len(stats.accept_lengths) >= 2)
             session.generate(prompts[0], n, Sampling(0.8, top_k=5))  # and the sampling variants of the steps

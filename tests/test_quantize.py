@@ -130,15 +130,17 @@ EAGLE_LAYERS = 4  # of the default model's 30: greedy equality does not depend o
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"], ids=["int8", "int4-g32"])
-def shallow_quantized(request, default_checkpoint):
+def shallow_quantized(request, default_checkpoint, device):
     """The default model cut to its first EAGLE_LAYERS layers and quantized as generate.py runs it fastest on
     this CPU: bfloat16 activations and a quantized LM head (int8 through ATen's CPU int8 kernel, int4
-    through its int4 kernel), so the draft also runs through a quantized LM head."""
-    model = Transformer.from_checkpoint(default_checkpoint, dtype=torch.bfloat16)
+    through its int4 kernel), so the draft also runs through a quantized LM head. On CUDA (--device) int4
+    is packed for tinygemm instead."""
+    model = Transformer.from_checkpoint(default_checkpoint, dtype=torch.bfloat16, device=device)
     model.layers = model.layers[:EAGLE_LAYERS]
     quantize.quantize_model(model, quantize.handler_for(request.param), quantize_lm_head=True)
-    kernel = CPU_KERNEL_LINEAR[request.param]
-    assert isinstance(model.output, kernel) and isinstance(model.layers[0].attention.wo, kernel)
+    if device == "cpu":
+        kernel = CPU_KERNEL_LINEAR[request.param]
+        assert isinstance(model.output, kernel) and isinstance(model.layers[0].attention.wo, kernel)
     return model
 
 
@@ -147,9 +149,9 @@ def assert_tie_at_first_difference(model, prompt, out, expected):
     within 2 units in the last place of its logits' dtype (bfloat16 logits near 27 are 0.125 apart, so
     exact ties are common), computed by a plain forward over prompt + common prefix."""
     i = next(i for i, (a, b) in enumerate(zip(out, expected)) if a != b)
-    ids = torch.tensor(prompt + expected[:i])
+    ids = torch.tensor(prompt + expected[:i], device=model.output.weight.device)
     model.setup_caches(1, len(ids))
-    logits = model(ids[None], torch.arange(len(ids)))[0][0, -1]
+    logits = model(ids[None], torch.arange(len(ids), device=ids.device))[0][0, -1]
     top = logits.max().item()
     tolerance = max(2 * torch.finfo(logits.dtype).eps * 2 ** math.floor(math.log2(abs(top))), 1e-4)
     assert top - logits[out[i]].item() <= tolerance and top - logits[expected[i]].item() <= tolerance, (
@@ -157,7 +159,8 @@ def assert_tie_at_first_difference(model, prompt, out, expected):
         f"{logits[out[i]].item()} vs {logits[expected[i]].item()}, top {top}")
 
 
-def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantized, held_out, request):
+@pytest.mark.device
+def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantized, held_out, request, device):
     """Lossless relative to the quantized target, over 10 prompts x 32 new tokens with the paper tree.
     A random head drafting from the tokens of the prompts and expected answers (a draft vocabulary):
     cheap drafts, now and then accepted. On int4 the head is int4 too, draft LM head rows included."""
@@ -167,21 +170,21 @@ def test_eagle_greedy_equals_vanilla_greedy_on_quantized_target(shallow_quantize
     vanilla = Session(model, max_seq_len)
     expected = [vanilla.generate(prompt, max_new_tokens, Sampling())[0] for prompt in prompts]
     torch.manual_seed(0)
-    head = EagleHead.for_target(model.config).to(model.tok_embeddings.weight.dtype).eval()
+    head = EagleHead.for_target(model.config).to(device=device, dtype=model.tok_embeddings.weight.dtype).eval()
     vocab = sorted({t for ids in prompts + expected for t in ids})
-    head.draft_vocab = torch.tensor(vocab[: len(vocab) // 16 * 16])  # the int4 kernel takes rows by 16
-    int4 = request.node.callspec.id.startswith("int4")
+    head.draft_vocab = torch.tensor(vocab[: len(vocab) // 16 * 16], device=device)  # int4 takes rows by 16
+    int4 = request.node.callspec.id.startswith("int4") and device == "cpu"  # the CPU kernel checks below
     quantize.quantize_head_like(head, model)  # as generate.py does: int4 on an int4 target
     if int4:
         assert type(head.fc.weight) is type(model.output.weight) and isinstance(head.fc, quantize.Int4CPULinear)
-    eagle = Session(model, max_seq_len, head, parse_tree("paper"))
+    eagle = Session(model, max_seq_len, head, parse_tree("paper").to(device))
     if int4:  # the bound draft LM head rows are quantized like the target's, through the same kernel call
         assert type(head.lm_head.weight) is type(model.output.weight) and isinstance(head.lm_head, quantize.Int4CPULinear)
     for prompt, want in zip(prompts, expected):
         out, _ = eagle.generate(prompt, max_new_tokens, Sampling())
         if out != want:
             assert_tie_at_first_difference(model, prompt, out, want)
-            eagle = Session(model, max_seq_len, head, parse_tree("paper"))  # the check used the caches
+            eagle = Session(model, max_seq_len, head, parse_tree("paper").to(device))  # the check used the caches
 
 
 # ---------------------------------------------------------------- file checks, on a tiny model
