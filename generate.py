@@ -351,7 +351,7 @@ class Session:
         self.tokens.append(token)
         start = self.head_len  # the head catches up on the prompt: pairs (f_i, t_{i+1}), i = head_len..
         root = self._feed_head(False, start, self.tokens[start + 1:], self.tokens[start:self.target_len],
-                               self.features[start:self.target_len], self.target_len - start - 1, stats)
+                               self.features[start:self.target_len].clone(), self.target_len - start - 1, stats)
         self.head_len = self.target_len
         while True:
             with stats.phase("draft"):  # 1. the head grows a tree from the last committed token
