@@ -210,15 +210,18 @@ def plot(profile: dict, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for precision, c in profile["precisions"].items():
-        rows = [int(n) for n in c["verify_ms"]]
-        line, = axes[0].plot(rows, list(c["verify_ms"].values()), marker="o", ms=3, label=f"{precision} verify")
-        axes[1].plot([int(n) for n in c["draft_ms"]], list(c["draft_ms"].values()), marker="o", ms=3,
+        rows, ms = [int(n) for n in c["verify_ms"]], list(c["verify_ms"].values())
+        line, = axes[0].plot(rows, ms, marker="o", ms=3, label=f"{precision} verify")
+        axes[1].plot(rows, [v / ms[0] for v in ms], marker="o", ms=3, color=line.get_color(), label=precision)
+        axes[2].plot([int(n) for n in c["draft_ms"]], list(c["draft_ms"].values()), marker="o", ms=3,
                      color=line.get_color(), label=f"{precision} draft step")
     axes[0].set(xlabel="rows (tree nodes incl. the root)", ylabel="ms", title="target forward after "
                 f"{profile['prefix_len']} cached tokens")
-    axes[1].set(xlabel="rows (nodes of one tree level)", ylabel="ms", title="head draft step")
+    axes[1].set(xlabel="rows (tree nodes incl. the root)", ylabel="x one row (a vanilla step)",
+                title="target forward / its one-row time", xscale="log", yscale="log")
+    axes[2].set(xlabel="rows (nodes of one tree level)", ylabel="ms", title="head draft step")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
