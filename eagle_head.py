@@ -40,6 +40,8 @@ INPUT_MODES = ("shifted", "unshifted", "feature", "token")
 
 
 class EagleHead(nn.Module):
+    feature_layers = None  # reads the target's last feature (after its final norm), as Transformer returns by default
+
     def __init__(self, config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted"):
         super().__init__()
         if input_mode not in INPUT_MODES:
@@ -116,6 +118,11 @@ class EagleHead(nn.Module):
         lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         lm_head.weight = nn.Parameter(weight, requires_grad=False)
         self.__dict__["lm_head"] = lm_head
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the target features the head reads (Eagle3Head: its fused layers')."""
+        return self.config.dim
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary; `token_ids` maps their indices to token ids."""

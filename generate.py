@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from eagle_head import EagleHead
+from eagle_head import EagleHead, load_head
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
 from tree import Draft, DynamicTree, Tree, parse_tree, tree_attention_mask
 
@@ -266,11 +266,12 @@ class Session:
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
         self.window = CacheWindow(live=self.device.type == "cpu")
+        model.feature_layers = None if head is None else head.feature_layers  # EAGLE-3: fused layers' states
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
                 head.bind(model.output.weight)
-            self.features = torch.zeros(max_seq_len + scratch, model.config.dim, device=self.device,
+            self.features = torch.zeros(max_seq_len + scratch, head.feature_dim, device=self.device,
                                         dtype=model.output.weight.dtype)
         self.reset()
 
@@ -508,7 +509,7 @@ def load(args):
         head_dir = args.eagle_head or (DEFAULT_HEAD if default_model else None)
         if head_dir is None:
             raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
-        head = EagleHead.load(head_dir, device=args.device, dtype=dtype)
+        head = load_head(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)

@@ -21,7 +21,7 @@ import torch
 from scipy import stats as scipy_stats
 
 import generate
-from eagle_head import EagleHead
+from eagle_head import Eagle3Head, EagleHead
 from generate import DEFAULT_HEAD, Sampling, Session, UsageError
 from model import ModelArgs, Transformer, causal_mask
 from tokenizer import Tokenizer
@@ -723,6 +723,7 @@ def cli_files(tmp_path_factory, default_checkpoint):
     config = ModelArgs.from_checkpoint_dir(default_checkpoint.parent)
     torch.manual_seed(0)
     EagleHead.for_target(config).save(root / "head")
+    Eagle3Head.for_target(config).save(root / "eagle3_head")
     EagleHead(ModelArgs(dim=64, n_layer=1, n_head=4, n_local_heads=2, intermediate_size=96,
                         vocab_size=config.vocab_size)).save(root / "narrow_head")
     return root
@@ -798,12 +799,14 @@ def test_cli_errors(case, cli_files, monkeypatch, capsys):
     assert_one_error_line(code, err, case)
 
 
-def test_cli_eagle_prints_what_vanilla_prints(cli_files, monkeypatch, capsys):
-    """Greedy --eagle (a random head, a chain) writes the same text as vanilla, and its statistics."""
+@pytest.mark.parametrize("head", ["head", "eagle3_head"])
+def test_cli_eagle_prints_what_vanilla_prints(head, cli_files, monkeypatch, capsys):
+    """Greedy --eagle (a random EAGLE-1 or EAGLE-3 head, a chain) writes the same text as vanilla, and its
+    statistics."""
     argv = ["--raw", "--prompt", "The owl", "--max_new_tokens", "8"]
     code, vanilla_out, err = run_cli_in_process(argv, monkeypatch, capsys)
     assert code == 0, err
-    code, eagle_out, err = run_cli_in_process(argv + ["--eagle", "--eagle_head", cli_files / "head", "--tree", "chain-3"],
+    code, eagle_out, err = run_cli_in_process(argv + ["--eagle", "--eagle_head", cli_files / head, "--tree", "chain-3"],
                                               monkeypatch, capsys)
     assert code == 0, err
     assert eagle_out == vanilla_out and vanilla_out.startswith("The owl")

@@ -224,17 +224,15 @@ def copycat_head(target: Transformer, draft_vocab=None) -> Eagle3Head:
 
 
 def eagle3_session(model, head, max_seq_len, tree, steps=None):
-    """generate.Session with an EAGLE-3 head. What generate.py does not do yet (the two lines marked):
-    the target returns the head's fused features, and the session's feature buffer is that wide."""
+    """generate.Session with an EAGLE-3 head, checked as generate.load does: the session sets the target
+    to return the head's fused features and sizes its feature buffer to their width."""
     head.check_fits(model.config, model.config.vocab_size)
-    model.feature_layers = head.feature_layers  # (1)
     session = generate.Session(model, max_seq_len, head, tree, steps)
-    session.features = torch.zeros(session.features.shape[0], head.feature_dim)  # (2)
+    assert model.feature_layers == head.feature_layers and session.features.shape[1] == head.feature_dim
     return session
 
 
 def vanilla(model, prompt, n):
-    model.feature_layers = None
     return generate.Session(model, len(prompt) + n).generate(prompt, n, generate.Sampling())[0]
 
 
