@@ -15,6 +15,7 @@ EAGLE cycle (one target forward per cycle; Session._eagle_cycles runs these four
 The model steps run eagerly or compiled (Steps); CacheWindow decides how many cache slots they read.
 """
 import argparse
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from eagle_head import EagleHead, load_head
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
-from tree import Draft, DynamicTree, Tree, parse_tree, tree_attention_mask
+from tree import CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, parse_tree, tree_attention_mask
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 
@@ -484,7 +485,8 @@ def load(args):
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
-    tree = parse_tree(args.tree) if args.eagle else None  # a bad spec fails before any loading
+    auto = args.tree == "auto"
+    tree = parse_tree(args.tree) if args.eagle and not auto else None  # a bad spec fails before any loading
     checkpoint = args.checkpoint or ensure_default_model()
     if checkpoint.is_dir():
         checkpoint = checkpoint / "model.pth"
@@ -513,8 +515,33 @@ def load(args):
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
-        tree.to(args.device)
+        tree = (auto_tree_for(Path(head_dir), model, args.device) if auto else tree).to(args.device)
     return model, tokenizer, head, tree
+
+
+PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def auto_tree_for(head_dir: Path, model: Transformer, device: str):
+    """--tree auto: the static tree tree.auto_tree predicts fastest from the head's acceptance model
+    (acceptance.json beside it, written by scripts/train_eagle.py eval) and this machine's cost profile at
+    this precision and thread count (scripts/profile_costs.py); chain-1 with a one-line hint when either
+    is missing."""
+    precision = model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
+    threads = torch.get_num_threads()
+    profile, acceptance = cost_profile_path(threads), head_dir / "acceptance.json"
+    costs = json.loads(profile.read_text()) if device == "cpu" and profile.is_file() else {"precisions": {}}
+    if precision not in costs["precisions"] or not acceptance.is_file():
+        why = (f"no cost profile of this machine for {precision} at {threads} threads: python scripts/profile_costs.py "
+               f"--threads {threads} measures one" if acceptance.is_file() else
+               f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head {head_dir} writes it")
+        print(f"tree auto: chain-1 ({why})", file=sys.stderr)
+        return parse_tree("chain-1")
+    p = json.loads(acceptance.read_text())["p"]
+    paths, tau, speedup = auto_tree(p, CycleCosts.from_profile(costs, precision))
+    print(f"tree auto: {paths} (predicted tau {tau:.2f}, {speedup:.2f}x over vanilla {precision}, "
+          f"{threads} threads)", file=sys.stderr)
+    return parse_tree(str(paths))
 
 
 def print_stats(stats: Stats, tree, label: str = ""):
@@ -604,8 +631,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
     p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
-    p.add_argument("--tree", default="chain-1", help="chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
-                   "(default chain-1: the fastest in results/ on this CPU with the shipped head)")
+    p.add_argument("--tree", default="auto", help="auto | chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
+                   "(auto: the tree predicted fastest on this machine, see auto_tree_for)")
     args = p.parse_args(argv)
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")

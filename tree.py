@@ -19,7 +19,9 @@ the nodes to verify. `tree_attention_mask` is the one mask builder for the targe
 (draft steps): a node sees the committed prefix and its ancestors.
 """
 import ast
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -416,3 +418,21 @@ def auto_tree(p, costs: CycleCosts, max_nodes: int = 64):
             if best is None or speedup > best[2] + 1e-12:
                 best = (paths, tau, speedup)
     return best
+
+
+def instruction_set() -> str:
+    """The widest of amx / avx512_bf16 / avx512 / avx2 this CPU has (from /proc/cpuinfo), else the machine."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    for name, needs in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if needs in flags:
+            return name
+    return platform.machine() or "unknown"
+
+
+def cost_profile_path(threads: int) -> Path:
+    """Where scripts/profile_costs.py keeps this machine's cost profile: keyed by instruction set, thread
+    count and torch version, what the curves depend on."""
+    key = f"{instruction_set()}-t{threads}-torch{torch.__version__}"
+    return Path.home() / ".cache" / "eagle-fast" / f"costs-{key}.json"

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import Transformer, causal_mask  # noqa: E402
+from tree import cost_profile_path, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
@@ -59,21 +60,6 @@ def rows_of(piece: str) -> list:
     return ROWS if piece in ("verify", "draft") else UPDATE_ROWS
 
 
-def instruction_set() -> str:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    for name, needs in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
-        if needs in flags:
-            return name
-    return platform.machine() or "unknown"
-
-
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -82,14 +68,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def profile_key(threads: int) -> str:
-    return f"{instruction_set()}-t{threads}-torch{torch.__version__}"
-
-
-def default_out(threads: int) -> Path:
-    return Path.home() / ".cache" / "eagle-fast" / f"costs-{profile_key(threads)}.json"
 
 
 # ---------------------------------------------------------------- the cycle's steps (as in generate.py)
@@ -287,7 +265,7 @@ def main(argv=None):
                                 "wall": {kind: [checked_wall[precision, kind, n] for n in args.check_rows]
                                          for kind in ("fixed", "curve", "eager")}}
     profile = {
-        "key": profile_key(args.threads), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
+        "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
         "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))
                                          if Path(sys.argv[0]).resolve().is_relative_to(REPO) else sys.argv[0]]
@@ -305,7 +283,7 @@ def main(argv=None):
         "load_average": {"start": [round(v, 2) for v in load_before], "end": [round(v, 2) for v in os.getloadavg()]},
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    out = args.out or default_out(args.threads)
+    out = args.out or cost_profile_path(args.threads)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1))
     print(f"wrote {out}", file=sys.stderr)

@@ -164,3 +164,35 @@ def test_shipped_acceptance_model_is_well_formed():
     assert min(model["nodes"]) >= 500
     paths, tau, _ = auto_tree(p, costs(10.0, draft=0.5, update=1.0), max_nodes=32)
     assert build_tree(paths).num_nodes == 33 and tau > 2
+
+
+def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, monkeypatch, capsys):
+    """generate.auto_tree_for reads the head's acceptance.json and this machine's cost profile (under
+    $HOME/.cache/eagle-fast, keyed by instruction set, threads and torch): a flat fp32 profile gives a
+    deep, wide tree, exactly auto_tree's; without a profile it says how to make one and takes chain-1.
+    Greedy EAGLE with the chosen tree equals vanilla (fp32)."""
+    import torch
+
+    import generate
+    from test_eagle import copycat_head, tiny_prompts, tiny_target, vanilla_greedy
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_target()
+    head = copycat_head(model)
+    p = [[0.6, 0.15, 0.08, 0.05]] * 6
+    (tmp_path / "acceptance.json").write_text(json.dumps({"p": p}))
+    assert generate.auto_tree_for(tmp_path, model, "cpu").num_nodes == 2
+    assert "tree auto: chain-1 (no cost profile of this machine for fp32" in capsys.readouterr().err
+    flat = {str(n): 10.0 for n in (1, 64)}
+    profile = {"precisions": {"fp32": {"verify_ms": flat, "draft_ms": {"1": 0.1, "64": 0.1},
+                                       "update_ms": {"1": 0.5, "9": 0.5}, "move_ms": {"1": 0.1, "9": 0.1}}}}
+    path = tree.cost_profile_path(torch.get_num_threads())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(profile))
+    chosen = generate.auto_tree_for(tmp_path, model, "cpu")
+    paths, tau, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"))
+    assert chosen.num_nodes == len(paths) + 1 >= 20 and chosen.max_depth >= 4
+    assert f"tree auto: {paths} (predicted tau {tau:.2f}" in capsys.readouterr().err
+    for prompt in tiny_prompts(2, model.config.vocab_size):
+        out, _ = generate.Session(model, len(prompt) + 24, head, chosen).generate(prompt, 24, generate.Sampling())
+        assert out == vanilla_greedy(model, prompt, 24)
