@@ -1,4 +1,7 @@
-"""In-process A/B: compiled int4 decode and chain-2 verify with torchao's Int4OpaqueTensor linears (a)
+"""Runs against the code of commit 7a1cc90 (`git checkout 7a1cc90`): it calls generate.py's functions as they were
+before the cycle was reshaped into Steps / CacheWindow.
+
+In-process A/B: compiled int4 decode and chain-2 verify with torchao's Int4OpaqueTensor linears (a)
 vs Int4CPULinear (b), same weights, separate compiled code objects, interleaved. Run with dynamo's guard
 log to see each compiled step's guard evaluation time (frames in order: decode a, verify a, decode b,
 verify b); the timings are from a busy machine and are not a result:

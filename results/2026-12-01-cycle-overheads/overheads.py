@@ -1,4 +1,7 @@
-"""Per-cycle overheads of EAGLE chain-1 on the int4 compiled default model (one thread), the figures the
+"""Runs against the code of commit 1e339b0 (`git checkout 1e339b0`): it calls generate.py's functions as they were
+before the cycle was reshaped into Steps / CacheWindow.
+
+Per-cycle overheads of EAGLE chain-1 on the int4 compiled default model (one thread), the figures the
 session-11 note and docs/measurements.md quote:
 1. draft top-1 by max against topk (eager, 16,384 draft logits);
 2. compiled verify (2 rows) returning greedy tokens (argmax in the graph) against logits + an eager argmax;
