@@ -403,21 +403,22 @@ class CycleCosts:
                 + self.overhead_ms)
 
 
-def auto_tree(p, costs: CycleCosts, max_nodes: int = 64):
+def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0):
     """The static tree of at most max_nodes draft nodes with the highest predicted tokens/s,
     tau / cycle_ms, under acceptance model p[d-1][r] and `costs`. Returns (paths for build_tree, its
     predicted tau, its predicted speedup over vanilla = (tau / cycle_ms) * decode_ms). A speedup below 1
-    says vanilla decoding is predicted faster than any tree."""
-    best = None
+    says vanilla decoding is predicted faster than any tree. With `margin` > 0 a tree must be predicted
+    that much faster than every smaller one to be chosen (the smallest within margin of the best wins):
+    the model's error then decides nothing."""
+    candidates = []
     chains = [chain(n) for n in range(1, min(len(p), max_nodes) + 1)]
     for depth_cap in range(1, len(p) + 1):
         order = greedy_order(p, max_nodes, depth_cap)
         for paths in [order[:n] for n in range(1, len(order) + 1)] + (chains if depth_cap == 1 else []):
             tau = tree_tau(paths, p)
-            speedup = tau / costs.cycle_ms(paths) * costs.decode_ms
-            if best is None or speedup > best[2] + 1e-12:
-                best = (paths, tau, speedup)
-    return best
+            candidates.append((paths, tau, tau / costs.cycle_ms(paths) * costs.decode_ms))
+    best = max(s for _, _, s in candidates)
+    return min((c for c in candidates if c[2] >= best * (1 - margin) - 1e-12), key=lambda c: len(c[0]))
 
 
 def instruction_set() -> str:

@@ -190,9 +190,21 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(profile))
     chosen = generate.auto_tree_for(tmp_path, model, "cpu")
-    paths, tau, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"))
+    paths, tau, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
     assert chosen.num_nodes == len(paths) + 1 >= 20 and chosen.max_depth >= 4
     assert f"tree auto: {paths} (predicted tau {tau:.2f}" in capsys.readouterr().err
     for prompt in tiny_prompts(2, model.config.vocab_size):
         out, _ = generate.Session(model, len(prompt) + 24, head, chosen).generate(prompt, 24, generate.Sampling())
         assert out == vanilla_greedy(model, prompt, 24)
+
+
+def test_a_margin_prefers_the_smaller_of_nearly_equal_trees():
+    """chain-2 predicted 1% faster than chain-1 (every other tree far slower) wins without a margin and
+    loses with one of 2%."""
+    p = [[0.675, 0.0], [0.566, 0.0]]
+    tau1, tau2 = 1.675, 1 + 0.675 + 0.675 * 0.566
+    v3 = tau2 * (12.0 + 1.0) / (1.01 * tau1) - 2.0  # chain-2's cycle: verify(3) + a draft step + update
+    c = costs(lambda n: {1: 10.0, 2: 12.0, 3: v3}.get(n, 100.0 * n), draft=1.0, update=1.0)
+    best, _, s_best = auto_tree(p, c)
+    small, _, s_small = auto_tree(p, c, margin=0.02)
+    assert best == [[0], [0, 0]] and small == [[0]] and s_best == pytest.approx(1.01 * s_small)
