@@ -159,27 +159,10 @@ class EagleHead(nn.Module):
             state["embed_tokens.weight"] = target_embedding.float().contiguous()
         if self.draft_vocab is not None:
             (out_dir / "draft_vocab.json").write_text(json.dumps(self.draft_vocab.tolist()))
-        if safetensors:
-            from safetensors.torch import save_file
-            save_file(state, out_dir / "model.safetensors")
-        else:
-            torch.save(state, out_dir / "pytorch_model.bin")
+        write_weights(out_dir, state, safetensors)
 
     def official_state_dict(self) -> dict:
-        c, a = self.config, self.attention
-        q, k, v = a.wqkv.weight.detach().split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim,
-                                                c.n_local_heads * c.head_dim])
-        state = {
-            "fc.weight": self.fc.weight,
-            "layers.0.self_attn.q_proj.weight": interleaved_to_halves(q, c.n_head, c.head_dim),
-            "layers.0.self_attn.k_proj.weight": interleaved_to_halves(k, c.n_local_heads, c.head_dim),
-            "layers.0.self_attn.v_proj.weight": v,
-            "layers.0.self_attn.o_proj.weight": a.wo.weight,
-            "layers.0.post_attention_layernorm.weight": self.post_attention_norm.weight,
-            "layers.0.mlp.gate_proj.weight": self.feed_forward.w1.weight,
-            "layers.0.mlp.up_proj.weight": self.feed_forward.w3.weight,
-            "layers.0.mlp.down_proj.weight": self.feed_forward.w2.weight,
-        }
+        state = {"fc.weight": self.fc.weight, **decoder_layer_state(self, "layers.0.")}
         if self.fc_bias:
             state["fc.bias"] = self.fc.bias
         return {k: t.detach() for k, t in state.items()}
@@ -198,20 +181,8 @@ class EagleHead(nn.Module):
             raise CheckpointError(f"{config_path} is not a valid EAGLE head config ({e})") from None
         config.n_layer, config.attention_bias, config.tie_embeddings = 1, False, False
         state = read_weights(head_dir)
-        c = config
         try:
-            wqkv = torch.cat([
-                halves_to_interleaved(state["layers.0.self_attn.q_proj.weight"], c.n_head, c.head_dim),
-                halves_to_interleaved(state["layers.0.self_attn.k_proj.weight"], c.n_local_heads, c.head_dim),
-                state["layers.0.self_attn.v_proj.weight"]])
-            ours = {
-                "fc.weight": state["fc.weight"], "attention.wqkv.weight": wqkv,
-                "attention.wo.weight": state["layers.0.self_attn.o_proj.weight"],
-                "post_attention_norm.weight": state["layers.0.post_attention_layernorm.weight"],
-                "feed_forward.w1.weight": state["layers.0.mlp.gate_proj.weight"],
-                "feed_forward.w3.weight": state["layers.0.mlp.up_proj.weight"],
-                "feed_forward.w2.weight": state["layers.0.mlp.down_proj.weight"],
-            }
+            ours = {"fc.weight": state["fc.weight"], **decoder_layer_from_state(state, "layers.0.", config)}
         except KeyError as e:
             raise CheckpointError(f"EAGLE head in {head_dir} lacks weight {e.args[0]}; is it an EAGLE-1/2 head?") from None
         fc_bias = "fc.bias" in state
@@ -226,6 +197,40 @@ class EagleHead(nn.Module):
             if head.draft_vocab.numel() == 0 or int(head.draft_vocab.max()) >= config.vocab_size:
                 raise CheckpointError(f"{head_dir / 'draft_vocab.json'} holds token ids outside the vocabulary")
         return head.to(device=device, dtype=dtype).eval()
+
+
+def decoder_layer_state(head: nn.Module, prefix: str) -> dict:
+    """The head's decoder layer (attention, post-attention norm, MLP) under HF LLaMA names after
+    `prefix`, q/k rows back in HF's rotate-half layout."""
+    c, a = head.config, head.attention
+    q, k, v = a.wqkv.weight.detach().split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim,
+                                            c.n_local_heads * c.head_dim])
+    names = {"self_attn.q_proj": interleaved_to_halves(q, c.n_head, c.head_dim),
+             "self_attn.k_proj": interleaved_to_halves(k, c.n_local_heads, c.head_dim),
+             "self_attn.v_proj": v, "self_attn.o_proj": a.wo.weight,
+             "post_attention_layernorm": head.post_attention_norm.weight, "mlp.gate_proj": head.feed_forward.w1.weight,
+             "mlp.up_proj": head.feed_forward.w3.weight, "mlp.down_proj": head.feed_forward.w2.weight}
+    return {f"{prefix}{name}.weight": weight for name, weight in names.items()}
+
+
+def decoder_layer_from_state(state: dict, prefix: str, c: ModelArgs) -> dict:
+    """decoder_layer_state's inverse: our names for the layer's weights in `state` (KeyError if one is missing)."""
+    wqkv = torch.cat([halves_to_interleaved(state[f"{prefix}self_attn.q_proj.weight"], c.n_head, c.head_dim),
+                      halves_to_interleaved(state[f"{prefix}self_attn.k_proj.weight"], c.n_local_heads, c.head_dim),
+                      state[f"{prefix}self_attn.v_proj.weight"]])
+    names = {"attention.wo": "self_attn.o_proj", "post_attention_norm": "post_attention_layernorm",
+             "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+    return {"attention.wqkv.weight": wqkv, **{f"{ours}.weight": state[f"{prefix}{theirs}.weight"]
+                                             for ours, theirs in names.items()}}
+
+
+def write_weights(out_dir: Path, state: dict, safetensors: bool):
+    """model.safetensors or pytorch_model.bin, the two files read_weights reads."""
+    if safetensors:
+        from safetensors.torch import save_file
+        save_file(state, out_dir / "model.safetensors")
+    else:
+        torch.save(state, out_dir / "pytorch_model.bin")
 
 
 def read_weights(head_dir: Path) -> dict:
@@ -396,29 +401,14 @@ class Eagle3Head(nn.Module):
         if self.feature_layers is not None:
             config.update(layer_ids_config(self.feature_layers))
         (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-        state = {k: v.contiguous() for k, v in self.official_state_dict().items()}
-        if safetensors:
-            from safetensors.torch import save_file
-            save_file(state, out_dir / "model.safetensors")
-        else:
-            torch.save(state, out_dir / "pytorch_model.bin")
+        write_weights(out_dir, {k: v.contiguous() for k, v in self.official_state_dict().items()}, safetensors)
 
     def official_state_dict(self) -> dict:
-        c, a = self.config, self.attention
-        q, k, v = a.wqkv.weight.detach().split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim,
-                                                c.n_local_heads * c.head_dim])
+        c = self.config
         state = {
-            "fc.weight": self.fc.weight,
-            "midlayer.self_attn.q_proj.weight": interleaved_to_halves(q, c.n_head, c.head_dim),
-            "midlayer.self_attn.k_proj.weight": interleaved_to_halves(k, c.n_local_heads, c.head_dim),
-            "midlayer.self_attn.v_proj.weight": v,
-            "midlayer.self_attn.o_proj.weight": a.wo.weight,
-            "midlayer.mlp.gate_proj.weight": self.feed_forward.w1.weight,
-            "midlayer.mlp.up_proj.weight": self.feed_forward.w3.weight,
-            "midlayer.mlp.down_proj.weight": self.feed_forward.w2.weight,
+            "fc.weight": self.fc.weight, **decoder_layer_state(self, "midlayer."),
             "midlayer.hidden_norm.weight": self.hidden_norm.weight,
             "midlayer.input_layernorm.weight": self.input_norm.weight,
-            "midlayer.post_attention_layernorm.weight": self.post_attention_norm.weight,
             "norm.weight": self.norm.weight,
             "lm_head.weight": self.lm_head.weight,
         }
@@ -447,21 +437,11 @@ class Eagle3Head(nn.Module):
             if config_dict.get(key):
                 raise CheckpointError(f"EAGLE-3 head in {head_dir} sets {key}, which is not supported")
         state = read_weights(head_dir)
-        c = config
         try:
-            wqkv = torch.cat([
-                halves_to_interleaved(state["midlayer.self_attn.q_proj.weight"], c.n_head, c.head_dim),
-                halves_to_interleaved(state["midlayer.self_attn.k_proj.weight"], c.n_local_heads, c.head_dim),
-                state["midlayer.self_attn.v_proj.weight"]])
             ours = {
-                "fc.weight": state["fc.weight"], "attention.wqkv.weight": wqkv,
-                "attention.wo.weight": state["midlayer.self_attn.o_proj.weight"],
-                "feed_forward.w1.weight": state["midlayer.mlp.gate_proj.weight"],
-                "feed_forward.w3.weight": state["midlayer.mlp.up_proj.weight"],
-                "feed_forward.w2.weight": state["midlayer.mlp.down_proj.weight"],
+                "fc.weight": state["fc.weight"], **decoder_layer_from_state(state, "midlayer.", config),
                 "hidden_norm.weight": state["midlayer.hidden_norm.weight"],
                 "input_norm.weight": state["midlayer.input_layernorm.weight"],
-                "post_attention_norm.weight": state["midlayer.post_attention_layernorm.weight"],
                 "norm.weight": state["norm.weight"], "lm_head.weight": state["lm_head.weight"],
             }
         except KeyError as e:
