@@ -8,6 +8,7 @@ import torch
 import generate
 from eagle_head import EagleHead, Eagle3Head, default_feature_layers, load_head
 from model import CheckpointError, ModelArgs, Transformer
+from test_model import hf_config, write_checkpoint
 from tree import parse_tree
 
 # 8 layers: the default boundaries (2, 4, 5) are distinct; no GQA, so the copycat head below can copy
@@ -424,13 +425,7 @@ def test_unrolled_evaluation_equals_chained_accuracy():
 def tiny_run_files(tmp_path):
     """A tiny target checkpoint and `data` shards whose token ids the online command trains on."""
     target = tiny_target()
-    ckpt = tmp_path / "tiny"
-    ckpt.mkdir()
-    torch.save(target.state_dict_for_save(), ckpt / "model.pth")
-    (ckpt / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": TINY.dim, "num_hidden_layers": TINY.n_layer,
-        "num_attention_heads": TINY.n_head, "num_key_value_heads": TINY.n_local_heads,
-        "intermediate_size": TINY.intermediate_size, "vocab_size": TINY.vocab_size, "rope_theta": TINY.rope_base}))
+    ckpt = write_checkpoint(tmp_path / "tiny", target, hf_config(TINY)).parent
     data = tmp_path / "data"
     data.mkdir()
     records = [{"tokens": torch.tensor(s["tokens"]), "loss_mask": torch.tensor(s["loss_mask"])}

@@ -11,6 +11,7 @@ import torch
 import generate
 from eagle_head import EagleHead
 from model import CheckpointError, ModelArgs, Transformer
+from test_model import hf_config, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=96,
@@ -195,14 +196,7 @@ def test_generation_pairs_feature_with_next_token(mode):
 def make_tiny_data(tmp_path):
     torch.manual_seed(0)
     target = Transformer(TINY).eval()
-    ckpt = tmp_path / "tiny"
-    ckpt.mkdir()
-    torch.save(target.state_dict_for_save(), ckpt / "model.pth")
-    (ckpt / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": TINY.dim, "num_hidden_layers": TINY.n_layer,
-        "num_attention_heads": TINY.n_head, "num_key_value_heads": TINY.n_local_heads,
-        "intermediate_size": TINY.intermediate_size, "vocab_size": TINY.vocab_size, "rope_theta": TINY.rope_base,
-        "tie_word_embeddings": True}))
+    ckpt = write_checkpoint(tmp_path / "tiny", target, hf_config(TINY, tie_word_embeddings=True)).parent
     data = tmp_path / "data"
     data.mkdir()
     records = []

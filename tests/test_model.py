@@ -117,6 +117,14 @@ def test_logits_at_selects_positions(tiny_model):
     torch.testing.assert_close(selected, logits[:, positions], atol=1e-6, rtol=0)
 
 
+def hf_config(args: ModelArgs, **extra) -> dict:
+    """The HF LlamaConfig fields of a tiny model's config.json (what ModelArgs.from_checkpoint_dir reads)."""
+    return {"architectures": ["LlamaForCausalLM"], "hidden_size": args.dim, "num_hidden_layers": args.n_layer,
+            "num_attention_heads": args.n_head, "num_key_value_heads": args.n_local_heads,
+            "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size, "rope_theta": args.rope_base,
+            **extra}
+
+
 def write_checkpoint(directory: Path, model: Transformer, config: dict = TINY_HF_CONFIG) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
