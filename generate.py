@@ -267,7 +267,6 @@ class Session:
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
         self.window = CacheWindow(live=self.device.type == "cpu")
-        model.feature_layers = None if head is None else head.feature_layers  # EAGLE-3: fused layers' states
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
@@ -293,6 +292,9 @@ class Session:
         """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).
         on_tokens(list) is called with each batch of committed tokens (for streaming)."""
         self.check_fits(len(prompt), max_new_tokens)
+        # the target's features are what this session's head reads (EAGLE-3: fused layers' states); set per
+        # call, as sessions with other heads may share the model
+        self.model.feature_layers = None if self.head is None else self.head.feature_layers
         cached = self.tokens[: self.target_len]
         common = next((i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
         self.target_len = min(common, len(prompt) - 1)  # at least one token to prefill
