@@ -28,7 +28,8 @@ from torch import Tensor
 
 from eagle_head import EagleHead, load_head
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
-from tree import CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, parse_tree, tree_attention_mask
+from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, parse_tree,
+                  tree_attention_mask)
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 
@@ -267,6 +268,7 @@ class Session:
         model.setup_caches(1, max_seq_len + scratch)
         self.device = model.output.weight.device
         self.window = CacheWindow(live=self.device.type == "cpu")
+        self.context = ContextLookup()  # the tree's context branch, if it has one
         if head is not None:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots))
             if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
@@ -300,6 +302,7 @@ class Session:
         self.target_len = min(common, len(prompt) - 1)  # at least one token to prefill
         self.head_len = min(self.head_len, self.target_len)
         self.tokens = list(prompt)
+        self.context.reset()
         stats = Stats()
         start = time.perf_counter()
         token = self._prefill(sampling)
@@ -360,7 +363,7 @@ class Session:
         while True:
             with stats.phase("draft"):  # 1. the head grows a tree from the last committed token
                 draft = self.tree.draft(self, token, root, sampling)
-                stats.head_forwards += self.tree.max_depth - 1
+                stats.head_forwards += self.tree.draft_steps
             with stats.phase("verify"):  # 2. the target runs once over the whole tree
                 mask = self.window.tree(self.target_len, draft.tree_mask, self.model.max_seq_len)
                 base = torch.tensor(self.target_len, device=self.device)  # the root's cache slot
@@ -417,18 +420,20 @@ def accept(draft: Draft, out: Tensor, sampling: Sampling):
     [n] or its logits [n, V]."""
     if sampling.greedy:
         return accept_greedy(draft.tokens.tolist(), out.tolist(), draft.parents.tolist())
-    return accept_sampling(draft.tokens.tolist(), out, draft.child_lists(), sampling, draft.draft_probs)
+    return accept_sampling(draft.tokens.tolist(), out, draft.child_lists(), sampling, draft.draft_probs,
+                           draft.lookup_from)
 
 
 def accept_greedy(tokens: list, choice: list, parents: list):
     """The deepest node whose whole root path equals the target's greedy token at each step; choice[i]
-    is the target's greedy token after node i. Nodes come in depth order (parents before children) and
-    siblings hold distinct tokens, so the accepted nodes form one path and the last one is the deepest.
+    is the target's greedy token after node i, parents precede children. (A context branch may repeat a
+    head node's token: then two paths match, and the deeper one, either is correct, is taken.)
     Returns (accepted node indices, root first; bonus token = the target's choice after the last)."""
-    accepted, deepest = [True] + [False] * (len(tokens) - 1), 0
+    accepted, depth, deepest = [True] + [False] * (len(tokens) - 1), [0] * len(tokens), 0
     for i in range(1, len(tokens)):
         if accepted[parents[i]] and tokens[i] == choice[parents[i]]:
-            accepted[i], deepest = True, i
+            accepted[i], depth[i] = True, depth[parents[i]] + 1
+            deepest = i if depth[i] > depth[deepest] else deepest
     path = [deepest]
     while path[-1]:
         path.append(parents[path[-1]])
@@ -436,7 +441,7 @@ def accept_greedy(tokens: list, choice: list, parents: list):
 
 
 def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Sampling,
-                    draft_probs: Optional[Tensor] = None):
+                    draft_probs: Optional[Tensor] = None, lookup_from: Optional[int] = None):
     """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
 
     Static trees at temperature > 0 draw a node's children without replacement from the head's q =
@@ -448,8 +453,10 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
     final r. Each round is a speculative-sampling step for target r, whose output law is exactly r for
     any proposal, so every committed token follows the target distribution p (temperature / top-k /
     top-p applied as in vanilla sampling). A child whose q_j is 0 (q was cut short by top-k / top-p and
-    is used up) proposes nothing and is skipped. tokens[i] is node i's token, children[i] its children
-    in the order they are tried (node order), logits [n, V] the target's after each node.
+    is used up) proposes nothing and is skipped. Context nodes (index >= lookup_from) are fixed by the
+    text so far, one-hot proposals too, tried after the head's children. tokens[i] is node i's token,
+    children[i] its children in the order they are tried (node order), logits [n, V] the target's after
+    each node.
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
@@ -459,7 +466,7 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
         q = None if draft_probs is None else draft_probs[node]
         for child in children[node]:
             x = tokens[child]
-            if q is None:
+            if q is None or (lookup_from is not None and child >= lookup_from):
                 if torch.rand(()) < r[x]:
                     break
                 r = r.clone()
@@ -517,7 +524,7 @@ def load(args):
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
-        tree = (auto_tree_for(Path(head_dir), model, args.device) if auto else tree).to(args.device)
+        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device)) if auto else tree).to(args.device)
     return model, tokenizer, head, tree
 
 
@@ -529,26 +536,40 @@ PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp1
 AUTO_TREE_MARGIN = 0.02
 
 
-def auto_tree_for(head_dir: Path, model: Transformer, device: str):
-    """--tree auto: the static tree tree.auto_tree predicts fastest from the head's acceptance model
-    (acceptance.json beside it, written by scripts/train_eagle.py eval) and this machine's cost profile at
-    this precision and thread count (scripts/profile_costs.py); chain-1 with a one-line hint when either
-    is missing."""
-    precision = model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
+def precision_of(model: Transformer) -> str:
+    """fp32 / bf16 / int8 / int4: the names of cost profiles."""
+    return model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
+
+
+def cycle_models(head_dir: Path, model: Transformer, device: str):
+    """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
+    count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
+    scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict), or (None, why not: one line)."""
+    precision = precision_of(model)
     threads = torch.get_num_threads()
     profile, acceptance = cost_profile_path(threads), head_dir / "acceptance.json"
     costs = json.loads(profile.read_text()) if device == "cpu" and profile.is_file() else {"precisions": {}}
-    if precision not in costs["precisions"] or not acceptance.is_file():
-        why = (f"no cost profile of this machine for {precision} at {threads} threads: python scripts/profile_costs.py "
-               f"--threads {threads} measures one" if acceptance.is_file() else
-               f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head {head_dir} writes it")
-        print(f"tree auto: chain-1 ({why})", file=sys.stderr)
-        return parse_tree("chain-1")
-    p = json.loads(acceptance.read_text())["p"]
-    paths, tau, speedup = auto_tree(p, CycleCosts.from_profile(costs, precision), margin=AUTO_TREE_MARGIN)
-    print(f"tree auto: {paths} (predicted tau {tau:.2f}, {speedup:.2f}x over vanilla {precision}, "
-          f"{threads} threads)", file=sys.stderr)
-    return parse_tree(str(paths))
+    if not acceptance.is_file():
+        return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
+                      f"{head_dir} writes it")
+    if precision not in costs["precisions"]:
+        return None, (f"no cost profile of this machine for {precision} at {threads} threads: python "
+                      f"scripts/profile_costs.py --threads {threads} measures one")
+    return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text())
+
+
+def auto_tree_for(head_dir: Path, model: Transformer, device: str):
+    """--tree auto: the spec of the static tree (and context branch) tree.auto_tree predicts fastest from
+    cycle_models; chain-1 with a one-line hint when either model is missing."""
+    costs, acceptance = cycle_models(head_dir, model, device)
+    if costs is None:
+        print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
+        return "chain-1"
+    best = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN,
+                     lookup_joint=acceptance.get("lookup", {}).get("joint"))
+    print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
+          f"{precision_of(model)}, {torch.get_num_threads()} threads)", file=sys.stderr)
+    return best.spec
 
 
 def print_stats(stats: Stats, tree, label: str = ""):

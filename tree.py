@@ -17,12 +17,16 @@ Both kinds answer the same calls: num_nodes, max_depth, max_rank, draft_slots (h
 draft writes past the prefix), to(device), and draft(session, root_token, root, sampling) -> Draft,
 the nodes to verify. `tree_attention_mask` is the one mask builder for the target (verify) and the head
 (draft steps): a node sees the committed prefix and its ancestors.
+
+A static tree may also hold a context branch ("paper+lookup-3"): a chain of `lookup` nodes from the root,
+after the head's nodes, whose tokens are copied from the text so far (ContextLookup, prompt lookup
+decoding). They cost no head forward, only verify rows; verification treats them as one-hot proposals.
 """
 import ast
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -41,15 +45,26 @@ def chain(length: int) -> list:
 
 
 def parse_tree(spec: str):
-    """'paper', 'chain-N', 'dynamic-K-D-N' (top_k, depth, total nodes) or a Python list of paths.
-    Returns a Tree or a DynamicTree."""
+    """'paper', 'chain-N', 'dynamic-K-D-N' (top_k, depth, total nodes) or a Python list of paths, a static
+    one optionally followed by '+lookup-N' (a context branch of N nodes). Returns a Tree or a DynamicTree."""
+    spec, lookup = split_lookup(spec)
     if spec.startswith("dynamic"):
+        if lookup:
+            raise ValueError(f"bad --tree {spec}+lookup-{lookup}: a context branch goes with static trees only")
         try:
             top_k, depth, total_tokens = (int(v) for v in spec.split("-")[1:])
         except ValueError:
             raise ValueError(f"bad --tree {spec!r}: write dynamic-TOPK-DEPTH-NODES, e.g. dynamic-8-5-24") from None
         return DynamicTree(top_k, depth, total_tokens)
-    return build_tree(parse_paths(spec))
+    return build_tree(parse_paths(spec), lookup)
+
+
+def split_lookup(spec: str):
+    """'chain-2+lookup-3' -> ('chain-2', 3); a spec without '+lookup-N' -> (spec, 0)."""
+    spec, plus, lookup = spec.partition("+lookup-")
+    if plus and not (lookup.isdigit() and int(lookup) >= 1):
+        raise ValueError(f"bad --tree {spec}+lookup-{lookup}: write +lookup-N with N >= 1, e.g. chain-1+lookup-3")
+    return spec, int(lookup) if plus else 0
 
 
 def parse_paths(spec: str) -> list:
@@ -80,6 +95,7 @@ class Draft:
     draft_probs: Optional[Tensor] = None  # [n, vocab]: the law each node's children were drawn from (None: the
     # children are the draft's best tokens, one-hot proposals)
     children: Optional[list] = None  # children[i]: node i's children in node order (None: from parents)
+    lookup_from: Optional[int] = None  # nodes from this index on are context proposals (one-hot)
 
     def child_lists(self) -> list:
         return self.children if self.children is not None else children_of(self.parents.tolist())
@@ -110,6 +126,7 @@ class Tree:
     ranks: Tensor
     levels: list  # per depth d >= 1: (first node, last node + 1, parent index within level d - 1)
     children: list  # children[i]: node indices of i's children, in rank order
+    lookup: int = 0  # context nodes: a chain from the root after the head's nodes
 
     @property
     def num_nodes(self) -> int:
@@ -117,7 +134,13 @@ class Tree:
 
     @property
     def max_depth(self) -> int:
-        return len(self.levels)
+        """The longest path a cycle can accept."""
+        return max(len(self.levels), self.lookup)
+
+    @property
+    def draft_steps(self) -> int:
+        """Head forwards a draft runs (the root's children come from the previous cycle's update)."""
+        return len(self.levels) - 1
 
     @property
     def max_rank(self) -> int:
@@ -125,8 +148,8 @@ class Tree:
 
     @property
     def draft_slots(self) -> int:
-        """Head cache slots past the prefix that one draft writes: one per non-root node."""
-        return self.num_nodes - 1
+        """Head cache slots past the prefix that one draft writes: one per head node."""
+        return len(self.paths)
 
     def to(self, device):
         for name in ("tree_mask", "depths", "parents", "ranks"):
@@ -135,7 +158,7 @@ class Tree:
         return self
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes, through the session's
+        """EAGLE-1: fill the fixed tree (its context branch: session.context's proposal), one head forward per level on all its nodes, through the session's
         steps, model (the target), head and window; root: the head's prediction after the root's own pair
         (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely draft token.
         Sampling: a node's children are draws without replacement from the head's q (its logits through the
@@ -147,6 +170,9 @@ class Tree:
         device, k = root.hidden.device, self.max_rank + 1
         tokens = torch.empty(self.num_nodes, dtype=torch.long, device=device)
         tokens[0] = root_token
+        n_head = len(self.paths) + 1
+        if self.lookup:
+            tokens[n_head:] = torch.tensor(session.context.propose(session.tokens, self.lookup), device=device)
         draft_probs = vocab_ids = head_mask = None
         if not sampling.greedy:
             draft_probs = torch.zeros(self.num_nodes, target.config.vocab_size, device=device)
@@ -160,19 +186,21 @@ class Tree:
                 draws = sampling.draw(q, k)
                 draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
                 tokens[first:end] = vocab_ids[draws[parent_in_level, self.ranks[first:end]]]
-            if depth == self.max_depth:
+            if depth == len(self.levels):
                 break
             if head_mask is None:  # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
-                head_mask = window.tree(base, self.tree_mask[1:, 1:], head.max_seq_len)
+                head_mask = window.tree(base, self.tree_mask[1:n_head, 1:n_head], head.max_seq_len)
             parent = steps.draft(target, head, head.pair_tokens(tokens[first:end], tokens[self.parents[first:end]]).view(1, -1),
                                  parent.hidden[:, parent_in_level], base + torch.arange(first - 1, end - 1, device=device),
                                  torch.full((end - first,), base + depth - 1, device=device),
                                  window.mark(head_mask[first - 1:end - 1]), k)
             parent_first = first
-        return Draft(tokens, self.parents, self.depths, self.tree_mask, draft_probs, self.children)
+        return Draft(tokens, self.parents, self.depths, self.tree_mask, draft_probs, self.children,
+                     n_head if self.lookup else None)
 
 
-def build_tree(paths: list) -> Tree:
+def build_tree(paths: list, lookup: int = 0) -> Tree:
+    """The static tree of `paths` (plus a context branch of `lookup` nodes after them)."""
     paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
     present = set(paths)
     for p in paths:
@@ -185,14 +213,16 @@ def build_tree(paths: list) -> Tree:
     nodes = [()] + paths
     index = {p: i for i, p in enumerate(nodes)}
     parents = [index[p[:-1]] if p else 0 for p in nodes]
-    tree_mask, depths = ancestor_mask(torch.tensor(parents), max(map(len, nodes)))
+    parents += [len(nodes) + d - 1 if d else 0 for d in range(lookup)]  # the context chain
+    tree_mask, depths = ancestor_mask(torch.tensor(parents), max(max(map(len, nodes)), lookup))
     levels = []
-    for d in range(1, int(depths.max()) + 1):
+    for d in range(1, max(map(len, nodes)) + 1):
         members = [i for i in range(len(nodes)) if len(nodes[i]) == d]
         prev_first = min(i for i in range(len(nodes)) if len(nodes[i]) == d - 1)
         levels.append((members[0], members[-1] + 1, torch.tensor([parents[i] - prev_first for i in members])))
     return Tree(paths=[list(p) for p in paths], tree_mask=tree_mask, depths=depths, parents=torch.tensor(parents),
-                ranks=torch.tensor([p[-1] if p else 0 for p in nodes]), levels=levels, children=children_of(parents))
+                ranks=torch.tensor([p[-1] if p else 0 for p in nodes] + [0] * lookup), levels=levels,
+                children=children_of(parents), lookup=lookup)
 
 
 @dataclass
@@ -220,6 +250,10 @@ class DynamicTree:
     @property
     def max_rank(self) -> int:
         return self.top_k - 1
+
+    @property
+    def draft_steps(self) -> int:
+        return self.depth - 1
 
     @property
     def draft_slots(self) -> int:
@@ -285,6 +319,38 @@ def ancestor_mask(parents: Tensor, max_depth: int):
         mask[torch.arange(n, device=parents.device), ancestor] = True
         ancestor = parents[ancestor]
     return mask, mask.sum(1) - 1
+
+
+class ContextLookup:
+    """Draft tokens copied from the text so far (prompt lookup decoding): find the latest earlier
+    occurrence of the longest suffix (up to `ngram` tokens) of the committed tokens and propose what
+    followed it; a continuation that runs into the suffix goes on copying its own proposal (periodic
+    text). An index of every n-gram's latest end is kept as the text grows, so a proposal costs O(ngram)."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = ngram
+        self.reset()
+
+    def reset(self):
+        """Forget the text (a new prompt)."""
+        self.end_of, self.indexed = {}, 1  # n-gram -> end of its latest occurrence; n-grams ending before
+        # `indexed` are in end_of
+
+    def propose(self, tokens: list, count: int) -> list:
+        """`count` tokens to follow `tokens` (a list that only grows between resets); without any match,
+        the last token repeated."""
+        for end in range(self.indexed, len(tokens)):  # n-grams ending before the last token (not the suffix)
+            for n in range(1, min(self.ngram, end) + 1):
+                self.end_of[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens))
+        for n in range(min(self.ngram, len(tokens)), 0, -1):
+            end = self.end_of.get(tuple(tokens[-n:]))
+            if end is not None:
+                out = []
+                for i in range(end, end + count):
+                    out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+                return out
+        return [tokens[-1]] * count
 
 
 # ---------------------------------------------------------------- tree auto
@@ -393,32 +459,75 @@ class CycleCosts:
     def decode_ms(self) -> float:
         return interpolate(self.verify, 1) + self.decode_overhead_ms
 
-    def cycle_ms(self, paths) -> float:
+    def cycle_ms(self, paths, lookup: int = 0) -> float:
+        """A cycle of the tree `paths` with a context branch of `lookup` nodes (whose accepted path is not
+        in place: KV moves counted whenever there is one)."""
         widths = [0] * max(len(q) for q in paths)
         for q in paths:
             widths[len(q) - 1] += 1
-        depth, is_chain = len(widths), all(w == 1 for w in widths)
-        return (interpolate(self.verify, len(paths) + 1) + sum(interpolate(self.draft, w) for w in widths[:-1])
-                + interpolate(self.update, depth + 1) + (0.0 if is_chain else interpolate(self.move, depth + 1))
+        depth, in_place = max(len(widths), lookup), all(w == 1 for w in widths) and not lookup
+        return (interpolate(self.verify, len(paths) + 1 + lookup) + sum(interpolate(self.draft, w) for w in widths[:-1])
+                + interpolate(self.update, depth + 1) + (0.0 if in_place else interpolate(self.move, depth + 1))
                 + self.overhead_ms)
 
 
-def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0):
+def lookup_tau(paths, p, joint) -> list:
+    """Expected tokens per cycle of the tree `paths` with a context branch of 0, 1, 2, ... nodes (one
+    entry per branch length, up to the longest match joint counts). A cycle accepts the longer of the
+    head's path A and the branch's match B: P(A = a) comes from the positional model, P(B >= d | A = a)
+    from joint[a][b], counts of held-out positions where the head's chain accepted a tokens and the
+    context proposal matched b (a capped at the tree's depth, B and A measured together: both are long
+    on the same easy stretches)."""
+    depth = max(map(len, paths))
+    at_least = [1.0] + [sum(path_value(q, p) for q in paths if len(q) == d) for d in range(1, depth + 1)] + [0.0]
+    rows = [list(r) for r in joint[:depth]] + [[sum(c) for c in zip(*joint[depth:])]]  # a = 0..depth
+    taus = [1.0 + sum(at_least[1:])]
+    for d in range(1, len(joint[0])):
+        taus.append(taus[-1] + sum((at_least[a] - at_least[a + 1]) * sum(rows[a][d:]) / sum(rows[a])
+                                   for a in range(min(d, depth + 1)) if sum(rows[a])))
+    return taus
+
+
+class AutoTree(NamedTuple):
+    paths: list  # the head's nodes, for build_tree
+    tau: float  # predicted tokens per cycle
+    speedup: float  # predicted tokens/s over vanilla's
+    lookup: int = 0  # context branch nodes
+
+    @property
+    def spec(self) -> str:
+        """The --tree spec of this tree (parse_tree's input)."""
+        return str(self.paths) + (f"+lookup-{self.lookup}" if self.lookup else "")
+
+
+def predict(spec: str, p, costs: CycleCosts, lookup_joint=None):
+    """Predicted (tau, speedup over vanilla) of the static tree `spec` (parse_tree's form), as auto_tree
+    scores its candidates."""
+    spec, lookup = split_lookup(spec)
+    paths = parse_paths(spec)
+    taus = lookup_tau(paths, p, lookup_joint) if lookup_joint else [tree_tau(paths, p)]
+    tau = taus[min(lookup, len(taus) - 1)]  # a branch longer than any counted match adds nothing more
+    return tau, tau / costs.cycle_ms(paths, lookup) * costs.decode_ms
+
+
+def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lookup_joint=None) -> AutoTree:
     """The static tree of at most max_nodes draft nodes with the highest predicted tokens/s,
-    tau / cycle_ms, under acceptance model p[d-1][r] and `costs`. Returns (paths for build_tree, its
-    predicted tau, its predicted speedup over vanilla = (tau / cycle_ms) * decode_ms). A speedup below 1
-    says vanilla decoding is predicted faster than any tree. With `margin` > 0 a tree must be predicted
-    that much faster than every smaller one to be chosen (the smallest within margin of the best wins):
-    the model's error then decides nothing."""
+    tau / cycle_ms, under acceptance model p[d-1][r] and `costs`; with lookup_joint (see lookup_tau) also
+    the length of its context branch (0 included), head and context nodes counted together. Its
+    predicted speedup over vanilla = (tau / cycle_ms) * decode_ms; below 1 vanilla decoding is predicted
+    faster than any tree. With `margin` > 0 a tree must be predicted that much faster than every smaller
+    one to be chosen (the smallest within margin of the best wins): the model's error then decides nothing."""
     candidates = []
     chains = [chain(n) for n in range(1, min(len(p), max_nodes) + 1)]
     for depth_cap in range(1, len(p) + 1):
         order = greedy_order(p, max_nodes, depth_cap)
         for paths in [order[:n] for n in range(1, len(order) + 1)] + (chains if depth_cap == 1 else []):
-            tau = tree_tau(paths, p)
-            candidates.append((paths, tau, tau / costs.cycle_ms(paths) * costs.decode_ms))
-    best = max(s for _, _, s in candidates)
-    return min((c for c in candidates if c[2] >= best * (1 - margin) - 1e-12), key=lambda c: len(c[0]))
+            taus = lookup_tau(paths, p, lookup_joint) if lookup_joint else [tree_tau(paths, p)]
+            for lookup, tau in enumerate(taus[: max_nodes - len(paths) + 1]):
+                candidates.append(AutoTree(paths, tau, tau / costs.cycle_ms(paths, lookup) * costs.decode_ms, lookup))
+    best = max(c.speedup for c in candidates)
+    return min((c for c in candidates if c.speedup >= best * (1 - margin) - 1e-12),
+               key=lambda c: len(c.paths) + c.lookup)
 
 
 def instruction_set() -> str:

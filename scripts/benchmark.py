@@ -66,7 +66,7 @@ import quantize  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import parse_tree  # noqa: E402
+from tree import parse_tree, predict  # noqa: E402
 
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
@@ -473,6 +473,29 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
     return groups
 
 
+def predicted_against_measured(methods: list, targets: dict, runs: list, device: str) -> dict:
+    """Per compiled static-tree EAGLE method: tau and speedup over vanilla of its precision as --tree auto
+    predicts them (generate.cycle_models, tree.predict: this machine's cost profile and the head's
+    acceptance model), beside the measured tau and median per-prompt speedup over that vanilla. Greedy
+    only: the acceptance model is the greedy one."""
+    out = {}
+    for m in methods:
+        twin = f"vanilla-{m.dtype}-compiled"
+        if m.kind != "eagle" or not m.compiled or m.tree.startswith("dynamic") or twin not in {x.name for x in methods}:
+            continue
+        costs, acceptance = generate.cycle_models(Path(m.head), targets[m.dtype], device)
+        if costs is None:
+            continue
+        tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joint"))
+        base = {prompt_key(r): r["tokens_per_s"] for r in runs if r["method"] == twin}
+        mine = [r for r in runs if r["method"] == m.name]
+        ratios = [r["tokens_per_s"] / base[prompt_key(r)] for r in mine if base.get(prompt_key(r))]
+        measured_tau = sum(r["committed"] for r in mine) / max(1, sum(r["target_forwards"] for r in mine))
+        out[m.name] = {"tree": m.tree, "over": twin, "predicted_tau": tau, "measured_tau": measured_tau,
+                       "predicted_speedup": speedup, "measured_speedup": float(np.median(ratios)) if ratios else None}
+    return out
+
+
 def phase_ms(rs: list) -> Optional[dict]:
     """Mean ms per decode step / EAGLE cycle phase over all runs (None for peers, which have no phases)."""
     pooled = generate.Stats()
@@ -656,6 +679,17 @@ def markdown(result: dict, plot_names: list) -> str:
                       "| method | " + " | ".join(cols) + " | sum |", "|---|" + "---|" * (len(cols) + 1)]
             lines += [f"| {name} | " + " | ".join(fmt(ms.get(c), 1) for c in cols) + f" | {fmt(sum(ms.values()), 1)} |"
                       for name, ms in phases.items()]
+        if g.get("predicted"):
+            lines += ["", "Predicted (cost model of this machine x acceptance model of the head, as --tree auto "
+                      "scores trees) against measured; speedup over vanilla of the same precision, compiled", "",
+                      "| method | tree | tau predicted | measured | error | speedup predicted | measured | error |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for name, q in g["predicted"].items():
+                tau_err = q["predicted_tau"] / q["measured_tau"] - 1
+                sp_err = q["predicted_speedup"] / q["measured_speedup"] - 1 if q["measured_speedup"] else None
+                lines.append(f"| {name} | `{q['tree']}` | {fmt(q['predicted_tau'])} | {fmt(q['measured_tau'])} | "
+                             f"{tau_err:+.0%} | {fmt(q['predicted_speedup'])} | {fmt(q['measured_speedup'])} | "
+                             f"{'–' if sp_err is None else f'{sp_err:+.0%}'} |")
         if len(g["categories"]) > 1:
             names = list(g["methods"])
             lines += ["", "Median speedup by category", "", "| category | " + " | ".join(names) + " |",
@@ -924,6 +958,8 @@ def run_benchmark(args, argv):
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
+            if m.tree == "auto":  # the tree generate.py --tree auto takes at this precision
+                m.tree = generate.auto_tree_for(Path(m.head), targets[m.dtype], device)
             if m.tree not in trees:
                 trees[m.tree] = parse_tree(m.tree).to(device)
             m.num_nodes, m.max_depth = trees[m.tree].num_nodes, trees[m.tree].max_depth
@@ -1013,6 +1049,10 @@ def run_benchmark(args, argv):
                     counter += 1
 
     groups = summarize(runs, methods, args.baseline)
+    for g in groups:
+        g["predicted"] = predicted_against_measured(methods, targets, [r for r in runs if r["temperature"] ==
+                                                                       g["temperature"] and r["dataset"] == g["dataset"]],
+                                                    device) if g["temperature"] == 0 else {}
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
     result = {
         "metadata": {

@@ -506,7 +506,9 @@ def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, step
 # ---------------------------------------------------------------- acceptance model (for tree.auto_tree)
 ACCEPTANCE_DEPTH = 8  # depths 1..8
 ACCEPTANCE_RANKS = 8  # sibling ranks 0..7
-REPLAY_TREES = ("chain-1", "chain-2", "chain-3", "[[0], [1], [0, 0]]", "paper")  # tree.parse_paths specs
+LOOKUP_MAX = 8  # context branches of up to 8 nodes
+REPLAY_TREES = ("chain-1", "chain-2", "chain-3", "[[0], [1], [0, 0]]", "paper", "chain-1+lookup-2", "chain-1+lookup-4",
+                "chain-2+lookup-3")  # tree.parse_tree specs
 
 
 @torch.no_grad()
@@ -543,15 +545,18 @@ def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int
 
 
 def acceptance_model(target: Transformer, head: EagleHead, records: list, depth: int = ACCEPTANCE_DEPTH,
-                     k: int = ACCEPTANCE_RANKS) -> dict:
+                     k: int = ACCEPTANCE_RANKS, lookup: int = LOOKUP_MAX) -> dict:
     """p[d-1][r] = P(target's greedy token == the head's rank-r draft at a node of depth d | the node's
     parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
-    token among the k best drafts; nodes[d-1] = how many such nodes. Also a replay of EAGLE cycles over
-    the sequences for a few trees (each cycle starts after the previous one's bonus token), against the
-    tau the positional model predicts: how much the per-token model misses by."""
-    from tree import accepted_depth, parse_paths, tree_tau
+    token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joint[a][b]: positions where
+    the head's chain accepted a tokens and a context branch (tree.ContextLookup on the text so far) would
+    have matched b <= `lookup` (tree.lookup_tau). Also a replay of EAGLE cycles over the sequences for a
+    few trees (each cycle starts after the previous one's bonus token), against the tau the positional
+    model predicts: how much the per-token model misses by."""
+    from tree import ContextLookup, accepted_depth, lookup_tau, parse_paths, split_lookup
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
+    joint = torch.zeros(depth + 1, lookup + 1, dtype=torch.long)
     replays = {name: [] for name in REPLAY_TREES}
     for r in records:
         ranks, counted = draft_ranks(target, head, r, depth, k)
@@ -561,18 +566,32 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
             nodes[s] += here.sum()
             hits[s] += torch.bincount(ranks[s][here], minlength=k + 1)[:k]
             alive = here & (ranks[s] < k)
+        tokens, context, matched = r["tokens"].tolist(), ContextLookup(), {}
+        for j in counted[0].nonzero()[:, 0].tolist():  # root t_{j+1}; the drafts guess t_{j+2}, ...
+            guess = context.propose(tokens[: j + 2], lookup)
+            matched[j] = next((i for i, t in enumerate(guess) if j + 2 + i >= len(tokens) or tokens[j + 2 + i] != t
+                               or not counted[min(i, depth - 1), j]), lookup)
+            chain_len = next((s for s in range(depth) if ranks[s, j] != 0 or not counted[s, j]), depth)
+            joint[chain_len, matched[j]] += 1
         for name in REPLAY_TREES:
-            tree_paths = {tuple(p) for p in parse_paths(name)}
+            spec, n_lookup = split_lookup(name)
+            tree_paths = {tuple(p) for p in parse_paths(spec)}
             tree_depth = max(len(p) for p in tree_paths)
             j = int(counted[0].float().argmax())  # the prefill's token is the first root
             while j < ranks.shape[1] and counted[tree_depth - 1, j]:
-                accepted = accepted_depth(tree_paths, ranks[:tree_depth, j].tolist())
+                accepted = max(accepted_depth(tree_paths, ranks[:tree_depth, j].tolist()), min(matched[j], n_lookup))
                 replays[name].append(accepted + 1)
                 j += accepted + 1
     p = (hits.double() / nodes.clamp(min=1)[:, None].double()).tolist()
+
+    def positional_tau(name):
+        spec, n_lookup = split_lookup(name)
+        return lookup_tau(parse_paths(spec), p, joint.tolist())[n_lookup]
     replay = {name: {"cycles": len(t), "tau": round(sum(t) / max(1, len(t)), 4),
-                     "positional_tau": round(tree_tau(parse_paths(name), p), 4)} for name, t in replays.items()}
-    return {"p": [[round(v, 5) for v in row] for row in p], "nodes": nodes.tolist(), "replay": replay}
+                     "positional_tau": round(positional_tau(name), 4)} for name, t in replays.items()}
+    return {"p": [[round(v, 5) for v in row] for row in p], "nodes": nodes.tolist(), "replay": replay,
+            "lookup": {"what": "joint[a][b]: positions whose head chain accepted a drafts and whose context "
+                               "proposal (tree.ContextLookup) matched b tokens", "joint": joint.tolist()}}
 
 
 def cmd_eval(args):

@@ -231,6 +231,50 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
                for name, s in group["methods"].items() if name != "vanilla-fp32-eager")
 
 
+def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch):
+    """--trees auto takes generate.py's --tree auto choice at each precision (this machine's cost profile
+    under $HOME, the head's acceptance.json); every compiled static tree gets its predicted tau and speedup
+    over vanilla beside the measured ones. torch.compile is stood in for (no inductor build)."""
+    import tree
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    rows = {"1": 10.0, "64": 12.0}
+    profile = {"precisions": {"fp32": {"verify_ms": rows, "draft_ms": {"1": 0.5, "64": 0.6},
+                                       "update_ms": {"1": 0.5, "9": 0.6}, "move_ms": {"1": 0.1, "9": 0.2}}}}
+    p, joint = [[0.7, 0.1]] * 4, [[50, 0, 0, 30], [20, 0, 10, 10]] + [[10, 0, 0, 20]] * 3
+    tree.cost_profile_path(1).parent.mkdir(parents=True)
+    tree.cost_profile_path(1).write_text(json.dumps(profile))
+    real_build = benchmark.build_quick_checkpoint
+
+    def build(out_dir):
+        checkpoint, head = real_build(out_dir)
+        Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joint": joint}}))
+        return checkpoint, head
+
+    monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name three owls."]}))
+    threads = torch.get_num_threads()
+    try:
+        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "compiled", "--dtypes", "fp32",
+                                 "--trees", "auto", "c1l2=chain-1+lookup-2", "--temperatures", "0",
+                                 "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path / "a")])
+    finally:
+        torch.set_num_threads(threads)
+    chosen = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN,
+                            lookup_joint=joint)
+    predicted = result["summary"][0]["predicted"]
+    assert set(predicted) == {"eagle-auto-fp32-compiled", "eagle-c1l2-fp32-compiled"}
+    auto = predicted["eagle-auto-fp32-compiled"]
+    assert auto["tree"] == chosen.spec and auto["predicted_tau"] == pytest.approx(chosen.tau)
+    assert auto["predicted_speedup"] == pytest.approx(chosen.speedup) and auto["over"] == "vanilla-fp32-compiled"
+    assert all(q["measured_tau"] >= 1 and q["measured_speedup"] > 0 for q in predicted.values())
+    assert all(s["outputs_match_vanilla"]["matched"] == 1 for name, s in result["summary"][0]["methods"].items()
+               if name.startswith("eagle"))
+    assert "| eagle-c1l2-fp32-compiled | `chain-1+lookup-2` |" in (tmp_path / "a" / "benchmark.md").read_text()
+
+
 def test_tensor_mb_counts_every_quantized_weight():
     """torchao weights are wrapper tensors with no storage of their own: their inner tensors count."""
     from torchao.quantization import quantize_

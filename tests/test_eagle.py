@@ -154,7 +154,7 @@ def check_stats(stats, out, max_new_tokens, tree):
 
 
 # ---------------------------------------------------------------- greedy on tiny targets
-TINY_TREES = ["paper", "chain-4", "dynamic-4-4-12", "dynamic-8-5-10", CUSTOM_TREE]
+TINY_TREES = ["paper", "chain-4", "dynamic-4-4-12", "dynamic-8-5-10", CUSTOM_TREE, "paper+lookup-3", "chain-1+lookup-4"]
 
 
 def tiny_case(head_kind, device="cpu"):
@@ -285,7 +285,7 @@ def shipped_head(default_model):
 SHIPPED_NEW_TOKENS = 128
 
 
-@pytest.mark.parametrize("spec, n_prompts", [("paper", 20), ("chain-4", 3), ("dynamic-8-4-16", 3)])
+@pytest.mark.parametrize("spec, n_prompts", [("paper", 20), ("chain-4", 3), ("dynamic-8-4-16", 3), ("chain-1+lookup-3", 3)])
 def test_greedy_shipped_head(spec, n_prompts, shipped_head, default_model, default_tokenizer):
     """The trained head: lossless on ShareGPT / MT-bench prompts, and it actually speculates (tau > 1.2).
     One session per tree kind serves all prompts, reusing the chat template's common prefix."""
@@ -314,8 +314,8 @@ class VerifierLog:
         self.verifier = verifier
         self.counts = collections.Counter()
 
-    def __call__(self, node_tokens, logits, children, sampling, draft_probs=None):
-        path, bonus = self.verifier(node_tokens, logits, children, sampling, draft_probs)
+    def __call__(self, node_tokens, logits, children, sampling, draft_probs=None, lookup_from=None):
+        path, bonus = self.verifier(node_tokens, logits, children, sampling, draft_probs, lookup_from)
         assert all(kids == sorted(kids) for kids in children)  # verifiers try siblings in node order
         first_child = {node: kids[0] for node, kids in enumerate(children) if kids}
         self.counts["cycles"] += 1
@@ -323,10 +323,11 @@ class VerifierLog:
         self.counts["accepted"] += len(path) > 1
         self.counts["sibling_rejected"] += any(c != first_child[p] for p, c in zip(path, path[1:]))
         self.counts["children_rejected"] += path[-1] in first_child  # bonus from the residual
+        self.counts["lookup_accepted"] += lookup_from is not None and path[-1] >= lookup_from
         return path, bonus
 
 
-def accept_sampling_without_residual(node_tokens, logits, children, sampling, draft_probs=None):
+def accept_sampling_without_residual(node_tokens, logits, children, sampling, draft_probs=None, lookup_from=None):
     """A broken verifier: like generate.accept_sampling, but a rejection never zeroes and renormalises p,
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
@@ -373,6 +374,7 @@ SAMPLING_CONFIGS = {
     "topp0.8-dynamic": ("dynamic-3-2-6", Sampling(1.0, top_p=0.8)),
     "t0.8-topk6-topp0.9": ("[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]", Sampling(0.8, top_k=6, top_p=0.9)),
     "t0.9-topp0.95-chain": ("chain-3", Sampling(0.9, top_p=0.95)),  # drafts drawn from the head's q
+    "t1-lookup": ("chain-1+lookup-2", Sampling(1.0)),  # a head draw, then a context branch
 }
 P_PASS, P_BROKEN = 1e-3, 1e-6  # significance: a correct verifier fails 0.1% of seeds; a broken one must give < 1e-6
 
@@ -477,7 +479,8 @@ def test_verifier_without_residual_is_caught():
 # configuration (temperature 0.8 with top-k and top-p together) draws 20,000 samples; the broken verifier
 # must fail that same test. Two more configurations (temperature 1; top-p with the dynamic tree) draw
 # 2,000 each to check the wiring of the other paths.
-E2E_SAMPLES = {"t0.8-topk6-topp0.9": 20_000, "t1": 2_000, "topp0.8-dynamic": 2_000, "t0.9-topp0.95-chain": 6_000}
+E2E_SAMPLES = {"t0.8-topk6-topp0.9": 20_000, "t1": 2_000, "topp0.8-dynamic": 2_000, "t0.9-topp0.95-chain": 6_000,
+               "t1-lookup": 6_000}
 E2E_CONFIGS = ["t0.8-topk6-topp0.9", "t1", "topp0.8-dynamic"]  # trees with siblings; the chain is tested below
 MAIN_E2E = "t0.8-topk6-topp0.9"
 E2E_VOCAB = 8
@@ -536,7 +539,7 @@ def test_sampling_with_a_broken_verifier_fails(monkeypatch, device):
 
 
 # --- a sampled chain: the draft tokens are drawn from the head's distribution q, accepted with min(1, p/q)
-def accept_sampled_with_one_hot_residual(node_tokens, logits, children, sampling, draft_probs=None):
+def accept_sampled_with_one_hot_residual(node_tokens, logits, children, sampling, draft_probs=None, lookup_from=None):
     """A broken verifier for sampled chains: it accepts a drawn token with probability min(1, p/q), but
     after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
     norm(max(0, p - q))."""
@@ -568,6 +571,27 @@ def test_sampled_chain_is_lossless(monkeypatch):
 def test_sampled_chain_with_a_broken_residual_fails(monkeypatch):
     p, counts, _ = sampling_e2e(SAMPLED_CHAIN, accept_sampled_with_one_hot_residual, monkeypatch)
     assert counts["sampled_drafts"] == counts["cycles"]
+    assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
+
+
+def test_sampled_lookup_branch_is_lossless(monkeypatch):
+    """A context branch (one-hot proposals tried after the head's drawn children) keeps the law."""
+    p, counts, accepts = sampling_e2e("t1-lookup", generate.accept_sampling, monkeypatch)
+    assert p > P_PASS, f"G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
+    assert counts["lookup_accepted"] > 0.01 * counts["cycles"]  # after the head's draw was rejected (2.5%)
+
+
+def accept_lookup_as_drawn(node_tokens, logits, children, sampling, draft_probs=None, lookup_from=None):
+    """A broken verifier: context nodes are taken for draws from the head's q (the rule min(1, r/q) and
+    the residual max(0, r - q) of a drawn child) instead of one-hot proposals."""
+    return ACCEPT_SAMPLING(node_tokens, logits, children, sampling, draft_probs, None)
+
+
+ACCEPT_SAMPLING = generate.accept_sampling  # the real one (the tests patch generate's)
+
+
+def test_sampled_lookup_branch_with_a_broken_verifier_fails(monkeypatch):
+    p, counts, _ = sampling_e2e("t1-lookup", accept_lookup_as_drawn, monkeypatch)
     assert p < P_BROKEN, f"the broken verifier passed the end-to-end test: p = {p:.2e}"
 
 
@@ -614,7 +638,7 @@ def test_compiled_steps_do_not_recompile(device):
     steps = generate.Steps.compiled(device, prefill_too=False,
                                     **({} if device.startswith("cuda") else {"backend": "aot_eager"}))
     try:
-        for spec in [None, "[[0], [1], [0, 0], [1, 0]]", "chain-2"]:  # None: vanilla decoding
+        for spec in [None, "[[0], [1], [0, 0], [1, 0]]", "chain-2", "chain-1+lookup-3"]:  # None: vanilla decoding
             session = Session(model, 64, steps=steps) if spec is None else \
                 Session(model, 64, head, parse_tree(spec).to(device), steps)
             out, stats = session.generate(prompts[0], n, Sampling())  # warm-up: compiles every shape
@@ -631,7 +655,7 @@ def test_compiled_steps_do_not_recompile(device):
 
 
 # ---------------------------------------------------------------- edge cases
-@pytest.mark.parametrize("spec", ["paper", "chain-4", "dynamic-4-4-12"])
+@pytest.mark.parametrize("spec", ["paper", "chain-4", "dynamic-4-4-12", "chain-2+lookup-3"])
 def test_stop_token_inside_accepted_path(spec):
     """A stop token among the accepted draft tokens ends the output right after it (the rest of the cycle
     is dropped), exactly where vanilla stops."""
@@ -657,7 +681,7 @@ def test_stop_token_inside_accepted_path(spec):
     assert inside >= 1
 
 
-@pytest.mark.parametrize("spec", ["paper", "chain-4", "dynamic-8-5-10"])
+@pytest.mark.parametrize("spec", ["paper", "chain-4", "dynamic-8-5-10", "chain-1+lookup-5"])
 def test_cache_limit(spec):
     """max_seq_len == prompt + max_new_tokens exactly: EAGLE fills it (long acceptances run past the end
     and are cut), equal to vanilla; one token more is a UsageError, as is an empty prompt."""
@@ -681,7 +705,7 @@ def test_cache_limit(spec):
             session.generate([], n, Sampling())
 
 
-@pytest.mark.parametrize("spec", ["paper", "dynamic-4-4-12"])
+@pytest.mark.parametrize("spec", ["paper", "dynamic-4-4-12", "paper+lookup-3"])
 def test_chat_reuse_equals_fresh_session(spec):
     """Successive generate calls on one session (the cache prefix is reused) give what a fresh session
     gives: a follow-up turn, a turn after a stop token cut a cycle short, and an edited history."""
@@ -785,6 +809,7 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "missing head": ["--eagle", "--eagle_head", "{files}/nowhere"],
     "unknown tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "bushy-3"],
     "bad dynamic tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-8-4"],
+    "context branch on a dynamic tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-4-3-8+lookup-2"],
     "raw and chat template": ["--raw", "--chat_template"],
     "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
 }

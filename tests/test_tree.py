@@ -120,10 +120,21 @@ def test_invalid_paths(paths, words):
 
 
 @pytest.mark.parametrize("spec", ["bogus", "[]", "[[]]", "[0, 1]", "[[0], 1]", "{'a': 1}", "[[0],",
-                                  "dynamic", "dynamic-8-4", "dynamic-a-b-c", "dynamic-8-4-16-2"])
+                                  "dynamic", "dynamic-8-4", "dynamic-a-b-c", "dynamic-8-4-16-2",
+                                  "chain-2+lookup-", "chain-2+lookup-0", "paper+lookup-x", "dynamic-8-4-16+lookup-2"])
 def test_unparseable_specs(spec):
     with pytest.raises(ValueError):
         parse_tree(spec)
+
+
+def test_lookup_branch_buffers():
+    """A context branch: a chain from the root after the head's nodes; the head's levels are unchanged."""
+    tree, plain = parse_tree("[[0], [1], [0, 0]]+lookup-3"), parse_tree("[[0], [1], [0, 0]]")
+    assert tree.parents.tolist() == [0, 0, 0, 1, 0, 4, 5] and tree.depths.tolist() == [0, 1, 1, 2, 1, 2, 3]
+    assert tree.children[0] == [1, 2, 4] and tree.tree_mask[6].tolist() == [True, False, False, False, True, True, True]
+    assert (tree.num_nodes, tree.max_depth, tree.draft_steps, tree.draft_slots) == (7, 3, 1, 3)
+    assert tree.levels[0][:2] == plain.levels[0][:2] and len(tree.levels) == len(plain.levels) == 2
+    assert parse_tree("chain-1+lookup-4").max_depth == 4
 
 
 def test_dynamic_tree():

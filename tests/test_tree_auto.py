@@ -74,7 +74,7 @@ def test_auto_tree_matches_brute_force(seed):
     slope, curve = rng.uniform(0.0, 3.0), rng.uniform(1.0, 1.6)  # from nearly flat to steep
     c = costs(lambda n: decode + slope * (n - 1) ** curve, draft=rng.uniform(0.2, 3.0), update=rng.uniform(0.5, 2),
               move=lambda n: 0.05 * n, overhead=rng.uniform(0, 1))
-    paths, tau, speedup = auto_tree(p, c, max_nodes=7)
+    paths, tau, speedup, _ = auto_tree(p, c, max_nodes=7)
     brute = max((tree_tau(t, p) / c.cycle_ms(t) * c.decode_ms, t) for k in range(1, 8) for t in forests(k))
     assert speedup == pytest.approx(brute[0], rel=1e-12)
     assert tau == pytest.approx(tree_tau(paths, p)) and speedup == pytest.approx(tau / c.cycle_ms(paths) * decode)
@@ -83,7 +83,7 @@ def test_auto_tree_matches_brute_force(seed):
 
 def test_flat_costs_choose_a_wide_deep_tree():
     p = [[0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01]] * 8
-    paths, tau, speedup = auto_tree(p, costs(10.0, draft=0.1, update=0.5), max_nodes=64)
+    paths, tau, speedup, _ = auto_tree(p, costs(10.0, draft=0.1, update=0.5), max_nodes=64)
     t = build_tree(paths)
     widths = [b - a for a, b, _ in t.levels]
     assert len(paths) >= 48 and t.max_depth >= 5 and widths[0] >= 4 and max(widths) >= 8
@@ -93,11 +93,11 @@ def test_flat_costs_choose_a_wide_deep_tree():
 def test_steep_costs_choose_a_short_chain():
     """Each node costing most of a decode step: chain-1 (or nothing pays: speedup < 1)."""
     p = [[0.6, 0.15, 0.08, 0.05]] * 8
-    paths, tau, speedup = auto_tree(p, costs(lambda n: 10.0 + 6.0 * (n - 1), draft=1.5, update=1.2))
+    paths, tau, speedup, _ = auto_tree(p, costs(lambda n: 10.0 + 6.0 * (n - 1), draft=1.5, update=1.2))
     assert paths == [[0]] and tau == pytest.approx(1.6)
     assert speedup == pytest.approx(1.6 * 10 / (16 + 1.2))  # < 1: the caller should decode plainly
     # cheaper second row, dearer after (the int4 kernel's shape): a chain still
-    paths, _, speedup = auto_tree(p, costs(lambda n: 10.0 * (1, 1.1, 1.4, 1.6)[n - 1] if n <= 4 else 4.0 * n,
+    paths, _, speedup, _ = auto_tree(p, costs(lambda n: 10.0 * (1, 1.1, 1.4, 1.6)[n - 1] if n <= 4 else 4.0 * n,
                                            draft=1.5, update=1.2))
     assert all(r == 0 for q in paths for r in q) and len(paths) <= 2 and speedup > 1
 
@@ -107,7 +107,7 @@ def test_tau_matches_monte_carlo_acceptance():
     chosen tree greedily: the mean committed tokens per cycle agree with tree_tau within 4 standard errors."""
     rng = random.Random(1)
     p = [[a * 0.97 ** d for a in (0.62, 0.14, 0.07, 0.03, 0.02, 0.01)] for d in range(8)]
-    paths, tau, _ = auto_tree(p, costs(lambda n: 10.0 + 0.3 * n, draft=0.5, update=1.0), max_nodes=40)
+    paths, tau, _, _ = auto_tree(p, costs(lambda n: 10.0 + 0.3 * n, draft=0.5, update=1.0), max_nodes=40)
     assert len(paths) > 5 and len({q[-1] for q in paths}) > 1  # a real tree, not a chain
     nodes = {tuple(q) for q in paths}
     choices = [list(range(len(row) + 1)) for row in p]
@@ -147,7 +147,7 @@ def test_from_profile_reads_a_profile_costs_json():
     c = CycleCosts.from_profile(json.loads(json.dumps(profile)), "int4")
     assert c.decode_ms == pytest.approx(10.1)
     assert c.cycle_ms([[0]]) == pytest.approx(11.5 + 1.1 + 0.4)
-    paths, tau, speedup = auto_tree([[0.6, 0.1], [0.5, 0.1]], c)
+    paths, tau, speedup, _ = auto_tree([[0.6, 0.1], [0.5, 0.1]], c)
     assert paths and speedup == pytest.approx(tau / c.cycle_ms(paths) * c.decode_ms)
 
 
@@ -162,7 +162,7 @@ def test_shipped_acceptance_model_is_well_formed():
     p = model["p"]
     assert len(p) >= 4 and all(0 <= v <= 1 for row in p for v in row) and all(sum(row) <= 1 + 1e-9 for row in p)
     assert min(model["nodes"]) >= 500
-    paths, tau, _ = auto_tree(p, costs(10.0, draft=0.5, update=1.0), max_nodes=32)
+    paths, tau, _, _ = auto_tree(p, costs(10.0, draft=0.5, update=1.0), max_nodes=32)
     assert build_tree(paths).num_nodes == 33 and tau > 2
 
 
@@ -181,7 +181,7 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     head = copycat_head(model)
     p = [[0.6, 0.15, 0.08, 0.05]] * 6
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": p}))
-    assert generate.auto_tree_for(tmp_path, model, "cpu").num_nodes == 2
+    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "tree auto: chain-1 (no cost profile of this machine for fp32" in capsys.readouterr().err
     flat = {str(n): 10.0 for n in (1, 64)}
     profile = {"precisions": {"fp32": {"verify_ms": flat, "draft_ms": {"1": 0.1, "64": 0.1},
@@ -189,8 +189,8 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     path = tree.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(profile))
-    chosen = generate.auto_tree_for(tmp_path, model, "cpu")
-    paths, tau, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
+    chosen = tree.parse_tree(generate.auto_tree_for(tmp_path, model, "cpu"))
+    paths, tau, _, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
     assert chosen.num_nodes == len(paths) + 1 >= 20 and chosen.max_depth >= 4
     assert f"tree auto: {paths} (predicted tau {tau:.2f}" in capsys.readouterr().err
     for prompt in tiny_prompts(2, model.config.vocab_size):
@@ -205,6 +205,59 @@ def test_a_margin_prefers_the_smaller_of_nearly_equal_trees():
     tau1, tau2 = 1.675, 1 + 0.675 + 0.675 * 0.566
     v3 = tau2 * (12.0 + 1.0) / (1.01 * tau1) - 2.0  # chain-2's cycle: verify(3) + a draft step + update
     c = costs(lambda n: {1: 10.0, 2: 12.0, 3: v3}.get(n, 100.0 * n), draft=1.0, update=1.0)
-    best, _, s_best = auto_tree(p, c)
-    small, _, s_small = auto_tree(p, c, margin=0.02)
+    best, _, s_best, _ = auto_tree(p, c)
+    small, _, s_small, _ = auto_tree(p, c, margin=0.02)
     assert best == [[0], [0, 0]] and small == [[0]] and s_best == pytest.approx(1.01 * s_small)
+
+
+# ---------------------------------------------------------------- the context branch
+def chain_model(pairs, depth):
+    """The positional model (p) and the joint counts (tree.lookup_tau) of positions given as (a, b):
+    the head's chain accepted a tokens, a context proposal matched b."""
+    joint = [[0] * 9 for _ in range(depth + 1)]
+    for a, b in pairs:
+        joint[a][b] += 1
+    reached = [sum(1 for a, _ in pairs if a >= d) for d in range(depth + 1)]
+    return [[reached[d + 1] / reached[d] if reached[d] else 0.0] for d in range(depth)], joint
+
+
+def test_lookup_tau_of_a_chain_is_the_mean_longer_match():
+    """For a chain, A = min(head chain, k) exactly, so the predicted tau with a context branch of L nodes
+    is the mean over positions of 1 + max(min(a, k), min(b, L)); with L = 0 it is tree_tau."""
+    rng = random.Random(1)
+    pairs = [(min(int(rng.expovariate(0.7)), 6), min(int(rng.expovariate(0.5)) * (rng.random() < 0.4), 8))
+             for _ in range(2000)]
+    pairs += [(a, min(8, a + 2)) for a, _ in pairs[:300]]  # correlated: context long where the head is
+    p, joint = chain_model(pairs, 6)
+    for k in (1, 2, 4):
+        taus = tree.lookup_tau(tree.chain(k), p, joint)
+        assert taus[0] == pytest.approx(tree_tau(tree.chain(k), p))
+        for lookup in range(9):
+            mean = sum(1 + max(min(a, k), min(b, lookup)) for a, b in pairs) / len(pairs)
+            assert taus[lookup] == pytest.approx(mean)
+
+
+def test_auto_tree_adds_a_context_branch_only_where_it_pays():
+    """Frequent long matches and cheap rows: a context branch is chosen (and its spec parses into a tree of
+    that many nodes); no matches, or rows that cost as much as a decode step each: none."""
+    rng = random.Random(2)
+    heads = [min(int(rng.expovariate(1.0)), 4) for _ in range(1000)]
+    often, never = chain_model([(a, 6 if rng.random() < 0.5 else 0) for a in heads], 4), chain_model([(a, 0) for a in heads], 4)
+    flat = costs(lambda n: 10.0 + 0.2 * n, draft=1.0, update=0.5, move=0.2)
+    best = auto_tree(often[0], flat, lookup_joint=often[1])
+    assert best.lookup >= 4 and best.speedup > auto_tree(often[0], flat).speedup
+    built = tree.parse_tree(best.spec)
+    assert built.num_nodes == len(best.paths) + 1 + best.lookup and built.lookup == best.lookup
+    assert auto_tree(never[0], flat, lookup_joint=never[1]).lookup == 0
+    steep = costs(lambda n: 10.0 * n, draft=1.0, update=0.5, move=0.2)
+    assert auto_tree(often[0], steep, lookup_joint=often[1]).lookup == 0
+
+
+def test_context_lookup_copies_the_latest_match():
+    c = tree.ContextLookup(ngram=3)
+    assert c.propose([5, 6], 2) == [6, 6]  # no earlier occurrence: the last token repeated
+    assert c.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2], 2) == [3, 7]  # the latest "1 2", not the first
+    assert c.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]  # "1 2 3" beats "2 3", "3"
+    assert c.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3, 4, 4], 3) == [4, 4, 4]  # periodic: copies itself
+    c.reset()
+    assert c.propose([8, 1, 8], 2) == [1, 8]
