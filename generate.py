@@ -566,7 +566,7 @@ def auto_tree_for(head_dir: Path, model: Transformer, device: str):
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return "chain-1"
     best = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN,
-                     lookup_joint=acceptance.get("lookup", {}).get("joint"))
+                     lookup_joints=acceptance.get("lookup", {}).get("joints"))
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
           f"{precision_of(model)}, {torch.get_num_threads()} threads)", file=sys.stderr)
     return best.spec

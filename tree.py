@@ -475,9 +475,9 @@ def lookup_tau(paths, p, joint) -> list:
     """Expected tokens per cycle of the tree `paths` with a context branch of 0, 1, 2, ... nodes (one
     entry per branch length, up to the longest match joint counts). A cycle accepts the longer of the
     head's path A and the branch's match B: P(A = a) comes from the positional model, P(B >= d | A = a)
-    from joint[a][b], counts of held-out positions where the head's chain accepted a tokens and the
-    context proposal matched b (a capped at the tree's depth, B and A measured together: both are long
-    on the same easy stretches)."""
+    from joint[a][b], counts of cycle starts where the head's chain accepted a tokens and the context
+    proposal matched b (a capped at the tree's depth; B and A measured together: both are long on the
+    same easy stretches)."""
     depth = max(map(len, paths))
     at_least = [1.0] + [sum(path_value(q, p) for q in paths if len(q) == d) for d in range(1, depth + 1)] + [0.0]
     rows = [list(r) for r in joint[:depth]] + [[sum(c) for c in zip(*joint[depth:])]]  # a = 0..depth
@@ -485,6 +485,16 @@ def lookup_tau(paths, p, joint) -> list:
     for d in range(1, len(joint[0])):
         taus.append(taus[-1] + sum((at_least[a] - at_least[a + 1]) * sum(rows[a][d:]) / sum(rows[a])
                                    for a in range(min(d, depth + 1)) if sum(rows[a])))
+    return taus
+
+
+def branch_taus(paths, p, lookup_joints=None) -> list:
+    """tau of `paths` with a context branch of 0, 1, ... nodes; lookup_joints[n - 1]: the joint counts
+    (lookup_tau) taken at the cycle starts of a walk with an n-node branch, so that each length is
+    scored on the cycles it would run (acceptance.json's lookup.joints)."""
+    taus = [tree_tau(paths, p)]
+    for n, joint in enumerate(lookup_joints or [], 1):
+        taus.append(lookup_tau(paths, p, joint)[n])
     return taus
 
 
@@ -500,19 +510,19 @@ class AutoTree(NamedTuple):
         return str(self.paths) + (f"+lookup-{self.lookup}" if self.lookup else "")
 
 
-def predict(spec: str, p, costs: CycleCosts, lookup_joint=None):
-    """Predicted (tau, speedup over vanilla) of the static tree `spec` (parse_tree's form), as auto_tree
-    scores its candidates."""
+def predict(spec: str, p, costs: Optional[CycleCosts], lookup_joints=None):
+    """Predicted (tau, speedup over vanilla; None without costs) of the static tree `spec` (parse_tree's
+    form), as auto_tree scores its candidates."""
     spec, lookup = split_lookup(spec)
     paths = parse_paths(spec)
-    taus = lookup_tau(paths, p, lookup_joint) if lookup_joint else [tree_tau(paths, p)]
+    taus = branch_taus(paths, p, lookup_joints)
     tau = taus[min(lookup, len(taus) - 1)]  # a branch longer than any counted match adds nothing more
-    return tau, tau / costs.cycle_ms(paths, lookup) * costs.decode_ms
+    return tau, None if costs is None else tau / costs.cycle_ms(paths, lookup) * costs.decode_ms
 
 
-def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lookup_joint=None) -> AutoTree:
+def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lookup_joints=None) -> AutoTree:
     """The static tree of at most max_nodes draft nodes with the highest predicted tokens/s,
-    tau / cycle_ms, under acceptance model p[d-1][r] and `costs`; with lookup_joint (see lookup_tau) also
+    tau / cycle_ms, under acceptance model p[d-1][r] and `costs`; with lookup_joints (branch_taus) also
     the length of its context branch (0 included), head and context nodes counted together. Its
     predicted speedup over vanilla = (tau / cycle_ms) * decode_ms; below 1 vanilla decoding is predicted
     faster than any tree. With `margin` > 0 a tree must be predicted that much faster than every smaller
@@ -522,7 +532,7 @@ def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lo
     for depth_cap in range(1, len(p) + 1):
         order = greedy_order(p, max_nodes, depth_cap)
         for paths in [order[:n] for n in range(1, len(order) + 1)] + (chains if depth_cap == 1 else []):
-            taus = lookup_tau(paths, p, lookup_joint) if lookup_joint else [tree_tau(paths, p)]
+            taus = branch_taus(paths, p, lookup_joints)
             for lookup, tau in enumerate(taus[: max_nodes - len(paths) + 1]):
                 candidates.append(AutoTree(paths, tau, tau / costs.cycle_ms(paths, lookup) * costs.decode_ms, lookup))
     best = max(c.speedup for c in candidates)

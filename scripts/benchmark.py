@@ -486,7 +486,7 @@ def predicted_against_measured(methods: list, targets: dict, runs: list, device:
         costs, acceptance = generate.cycle_models(Path(m.head), targets[m.dtype], device)
         if costs is None:
             continue
-        tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joint"))
+        tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joints"))
         base = {prompt_key(r): r["tokens_per_s"] for r in runs if r["method"] == twin}
         mine = [r for r in runs if r["method"] == m.name]
         ratios = [r["tokens_per_s"] / base[prompt_key(r)] for r in mine if base.get(prompt_key(r))]

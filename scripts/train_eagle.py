@@ -550,13 +550,14 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
     parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
     token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joint[a][b]: positions where
     the head's chain accepted a tokens and a context branch (tree.ContextLookup on the text so far) would
-    have matched b <= `lookup` (tree.lookup_tau). Also a replay of EAGLE cycles over the sequences for a
+    have matched b <= `lookup`, counted at the cycle starts of a chain-1+lookup-n walk for each n (tree.lookup_tau:
+    per position, long matches would count once per token they cover). Also a replay of EAGLE cycles over the sequences for a
     few trees (each cycle starts after the previous one's bonus token), against the tau the positional
     model predicts: how much the per-token model misses by."""
-    from tree import ContextLookup, accepted_depth, lookup_tau, parse_paths, split_lookup
+    from tree import ContextLookup, accepted_depth, parse_paths, predict, split_lookup
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
-    joint = torch.zeros(depth + 1, lookup + 1, dtype=torch.long)
+    joints = torch.zeros(lookup, depth + 1, lookup + 1, dtype=torch.long)
     replays = {name: [] for name in REPLAY_TREES}
     for r in records:
         ranks, counted = draft_ranks(target, head, r, depth, k)
@@ -566,32 +567,34 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
             nodes[s] += here.sum()
             hits[s] += torch.bincount(ranks[s][here], minlength=k + 1)[:k]
             alive = here & (ranks[s] < k)
-        tokens, context, matched = r["tokens"].tolist(), ContextLookup(), {}
+        tokens, context, matched, chain_len = r["tokens"].tolist(), ContextLookup(), {}, {}
         for j in counted[0].nonzero()[:, 0].tolist():  # root t_{j+1}; the drafts guess t_{j+2}, ...
             guess = context.propose(tokens[: j + 2], lookup)
             matched[j] = next((i for i, t in enumerate(guess) if j + 2 + i >= len(tokens) or tokens[j + 2 + i] != t
                                or not counted[min(i, depth - 1), j]), lookup)
-            chain_len = next((s for s in range(depth) if ranks[s, j] != 0 or not counted[s, j]), depth)
-            joint[chain_len, matched[j]] += 1
+            chain_len[j] = next((s for s in range(depth) if ranks[s, j] != 0 or not counted[s, j]), depth)
+        first = int(counted[0].float().argmax())  # the prefill's token is the first root
+        for n_lookup in range(1, lookup + 1):  # (a, b) at the cycle starts of chain-1+lookup-n's walk
+            j = first
+            while j in matched:
+                joints[n_lookup - 1, chain_len[j], matched[j]] += 1
+                j += 1 + max(min(chain_len[j], 1), min(matched[j], n_lookup))
         for name in REPLAY_TREES:
             spec, n_lookup = split_lookup(name)
             tree_paths = {tuple(p) for p in parse_paths(spec)}
             tree_depth = max(len(p) for p in tree_paths)
-            j = int(counted[0].float().argmax())  # the prefill's token is the first root
+            j = first
             while j < ranks.shape[1] and counted[tree_depth - 1, j]:
                 accepted = max(accepted_depth(tree_paths, ranks[:tree_depth, j].tolist()), min(matched[j], n_lookup))
                 replays[name].append(accepted + 1)
                 j += accepted + 1
     p = (hits.double() / nodes.clamp(min=1)[:, None].double()).tolist()
-
-    def positional_tau(name):
-        spec, n_lookup = split_lookup(name)
-        return lookup_tau(parse_paths(spec), p, joint.tolist())[n_lookup]
     replay = {name: {"cycles": len(t), "tau": round(sum(t) / max(1, len(t)), 4),
-                     "positional_tau": round(positional_tau(name), 4)} for name, t in replays.items()}
+                     "positional_tau": round(predict(name, p, None, joints.tolist())[0], 4)} for name, t in replays.items()}
     return {"p": [[round(v, 5) for v in row] for row in p], "nodes": nodes.tolist(), "replay": replay,
-            "lookup": {"what": "joint[a][b]: positions whose head chain accepted a drafts and whose context "
-                               "proposal (tree.ContextLookup) matched b tokens", "joint": joint.tolist()}}
+            "lookup": {"what": "joints[n-1][a][b]: cycle starts of a chain-1+lookup-n walk over the held-out answers "
+                               "where the head's chain accepted a drafts and the context proposal (tree.ContextLookup) "
+                               "matched b tokens", "joints": joints.tolist()}}
 
 
 def cmd_eval(args):

@@ -249,7 +249,7 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
 
     def build(out_dir):
         checkpoint, head = real_build(out_dir)
-        Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joint": joint}}))
+        Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [joint] * 3}}))
         return checkpoint, head
 
     monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
@@ -263,7 +263,7 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
     finally:
         torch.set_num_threads(threads)
     chosen = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN,
-                            lookup_joint=joint)
+                            lookup_joints=[joint] * 3)
     predicted = result["summary"][0]["predicted"]
     assert set(predicted) == {"eagle-auto-fp32-compiled", "eagle-c1l2-fp32-compiled"}
     auto = predicted["eagle-auto-fp32-compiled"]

@@ -237,6 +237,17 @@ def test_lookup_tau_of_a_chain_is_the_mean_longer_match():
             assert taus[lookup] == pytest.approx(mean)
 
 
+def test_each_branch_length_is_scored_on_its_own_joint():
+    """branch_taus: length n reads joints[n - 1] (counted on the cycles a walk with that branch runs)."""
+    pairs_short, pairs_long = [(0, 1)] * 10 + [(1, 0)] * 10, [(0, 2)] * 10 + [(1, 2)] * 10
+    p, short = chain_model(pairs_short, 2)
+    _, long = chain_model(pairs_long, 2)
+    taus = tree.branch_taus(tree.chain(1), p, [short, long])
+    assert taus == pytest.approx([1.5, tree.lookup_tau(tree.chain(1), p, short)[1], tree.lookup_tau(tree.chain(1), p, long)[2]])
+    assert taus[1] == pytest.approx(2.0) and taus[2] == pytest.approx(3.0)
+    assert tree.predict("chain-1+lookup-2", p, None, [short, long]) == (pytest.approx(3.0), None)
+
+
 def test_auto_tree_adds_a_context_branch_only_where_it_pays():
     """Frequent long matches and cheap rows: a context branch is chosen (and its spec parses into a tree of
     that many nodes); no matches, or rows that cost as much as a decode step each: none."""
@@ -244,13 +255,13 @@ def test_auto_tree_adds_a_context_branch_only_where_it_pays():
     heads = [min(int(rng.expovariate(1.0)), 4) for _ in range(1000)]
     often, never = chain_model([(a, 6 if rng.random() < 0.5 else 0) for a in heads], 4), chain_model([(a, 0) for a in heads], 4)
     flat = costs(lambda n: 10.0 + 0.2 * n, draft=1.0, update=0.5, move=0.2)
-    best = auto_tree(often[0], flat, lookup_joint=often[1])
+    best = auto_tree(often[0], flat, lookup_joints=[often[1]] * 8)
     assert best.lookup >= 4 and best.speedup > auto_tree(often[0], flat).speedup
     built = tree.parse_tree(best.spec)
     assert built.num_nodes == len(best.paths) + 1 + best.lookup and built.lookup == best.lookup
-    assert auto_tree(never[0], flat, lookup_joint=never[1]).lookup == 0
+    assert auto_tree(never[0], flat, lookup_joints=[never[1]] * 8).lookup == 0
     steep = costs(lambda n: 10.0 * n, draft=1.0, update=0.5, move=0.2)
-    assert auto_tree(often[0], steep, lookup_joint=often[1]).lookup == 0
+    assert auto_tree(often[0], steep, lookup_joints=[often[1]] * 8).lookup == 0
 
 
 def test_context_lookup_copies_the_latest_match():
