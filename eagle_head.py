@@ -132,12 +132,7 @@ class EagleHead(nn.Module):
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def check_fits(self, target_config: ModelArgs, vocab_size: int):
-        if self.config.dim != target_config.dim:
-            raise CheckpointError(f"EAGLE head hidden size {self.config.dim} does not fit the target's "
-                                  f"hidden size {target_config.dim}; use a head trained for this model")
-        if self.config.vocab_size != vocab_size:
-            raise CheckpointError(f"EAGLE head vocabulary {self.config.vocab_size} does not fit the target's "
-                                  f"vocabulary {vocab_size}; use a head trained for this model")
+        check_sizes("EAGLE", self.config, target_config, vocab_size)
 
     # ---- official checkpoint layout ----
     def save(self, out_dir, target_embedding: Optional[Tensor] = None, safetensors: bool = False):
@@ -197,6 +192,14 @@ class EagleHead(nn.Module):
             if head.draft_vocab.numel() == 0 or int(head.draft_vocab.max()) >= config.vocab_size:
                 raise CheckpointError(f"{head_dir / 'draft_vocab.json'} holds token ids outside the vocabulary")
         return head.to(device=device, dtype=dtype).eval()
+
+
+def check_sizes(kind: str, config: ModelArgs, target_config: ModelArgs, vocab_size: int):
+    """Refuse a head whose hidden size or vocabulary is not the target's, in one line."""
+    for what, mine, theirs in (("hidden size", config.dim, target_config.dim), ("vocabulary", config.vocab_size, vocab_size)):
+        if mine != theirs:
+            raise CheckpointError(f"{kind} head {what} {mine} does not fit the target's {what} {theirs}; "
+                                  "use a head trained for this model")
 
 
 def decoder_layer_state(head: nn.Module, prefix: str) -> dict:
@@ -367,12 +370,7 @@ class Eagle3Head(nn.Module):
 
     def check_fits(self, target_config: ModelArgs, vocab_size: int):
         """Refuse a head made for another target; a head that names no layers takes the target's defaults."""
-        if self.config.dim != target_config.dim:
-            raise CheckpointError(f"EAGLE-3 head hidden size {self.config.dim} does not fit the target's "
-                                  f"hidden size {target_config.dim}; use a head trained for this model")
-        if self.config.vocab_size != vocab_size:
-            raise CheckpointError(f"EAGLE-3 head vocabulary {self.config.vocab_size} does not fit the target's "
-                                  f"vocabulary {vocab_size}; use a head trained for this model")
+        check_sizes("EAGLE-3", self.config, target_config, vocab_size)
         layers = self.feature_layers or default_feature_layers(target_config.n_layer)
         if len(set(layers)) != len(layers) or min(layers) < 0 or max(layers) > target_config.n_layer:
             raise CheckpointError(f"EAGLE-3 head reads layers {list(layers)}, which a {target_config.n_layer}-layer "

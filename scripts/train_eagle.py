@@ -353,6 +353,24 @@ def evaluate(target, head, records, device, steps=3):
             "top1": [round(a, 4) for a in (accs / max(weight, 1)).tolist()]}
 
 
+def optimizer_step(head, optimizer, args, state: dict, t0: float):
+    """Clip, step, and count the step and its wall time (since t0) in the resumable state."""
+    torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+    optimizer.step()
+    state["step"] += 1
+    state["offset"] += 1
+    state["wall_s"] += time.perf_counter() - t0
+
+
+def after_step(bar, args, state: dict, total_steps: int, run_eval, save):
+    """The progress bar, and the held-out eval and checkpoint when they are due."""
+    bar.update(1)
+    if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
+        run_eval()
+    if state["step"] % args.save_every == 0 or state["step"] == total_steps:
+        save()
+
+
 def cmd_train(args):
     from tqdm import tqdm
     from tokenizer import ensure_default_model
@@ -452,18 +470,10 @@ def cmd_train(args):
                                                     args.noise, args.ce_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
-            optimizer.step()
-            state["step"] += 1
-            state["offset"] += 1
             state["tokens_seen"] += sum(int(train[i]["loss_mask"][1:].sum()) for i in batch)
-            state["wall_s"] += time.perf_counter() - t0
-            bar.update(1)
+            optimizer_step(head, optimizer, args, state, t0)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{top1.mean().item():.3f}", epoch=state["epoch"])
-            if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
-                run_eval()
-            if state["step"] % args.save_every == 0 or state["step"] == total_steps:
-                save()
+            after_step(bar, args, state, total_steps, run_eval, save)
         else:
             state["epoch"] += 1
             state["offset"] = 0
@@ -926,7 +936,7 @@ def cmd_online(args):
         print(json.dumps(row), file=sys.stderr)
 
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
-    bar = tqdm(total=total_steps, initial=state["step"], desc=f"{args.head} ttt-{depth}")
+    bar = tqdm(total=total_steps, initial=state["step"], desc=f"{type(head).__name__} ttt-{depth}")
     head.train()
     while state["step"] < total_steps and state["step"] != args.stop_after:
         order = list(range(len(train)))
@@ -947,21 +957,13 @@ def cmd_online(args):
                 loss = unrolled_loss(head, steps, args.ce_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
-            optimizer.step()
-            state["step"] += 1
-            state["offset"] += 1
             state["tokens_seen"] += int((batch["doc"] >= 0).sum())
             state["answer_tokens_seen"] += steps[0]["count"]
             state["target_s"] += t1 - t0
-            state["wall_s"] += time.perf_counter() - t0
-            bar.update(1)
+            optimizer_step(head, optimizer, args, state, t0)
             bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{steps[0]['hits'] / max(1, steps[0]['count']):.3f}",
                             tok_s=f"{state['tokens_seen'] / state['wall_s']:.0f}")
-            if state["step"] % args.eval_every == 0 or state["step"] == total_steps:
-                run_eval()
-            if state["step"] % args.save_every == 0 or state["step"] == total_steps:
-                save()
+            after_step(bar, args, state, total_steps, run_eval, save)
         else:
             state["epoch"] += 1
             state["offset"] = 0
@@ -979,6 +981,15 @@ def cmd_online(args):
                   "wall_s": round(state["wall_s"], 1), **speed, "args": vars(args), "curve": state["curve"],
                   "final": state["curve"][-1] if state["curve"] else None}
         Path(args.save_head, "training_record.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def schedule_args(p, lr: float, warmup: int):
+    """The optimisation schedule options both trainers take."""
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max_steps", type=int)
+    p.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
 
 
 def main():
@@ -1011,11 +1022,7 @@ def main():
     t.add_argument("--train_sets", nargs="+", default=["generated"])
     t.add_argument("--eval_sets", nargs="+", default=["generated"])
     t.add_argument("--eval_records", type=int, default=40)
-    t.add_argument("--lr", type=float, default=3e-5)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--max_steps", type=int)
-    t.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
+    schedule_args(t, lr=3e-5, warmup=50)
     t.add_argument("--batch_size", type=int, default=8, help="sequences per step (per process)")
     t.add_argument("--noise", type=float, default=0.1)
     t.add_argument("--ce_weight", type=float, default=PAPER_CE_WEIGHT,
@@ -1055,11 +1062,7 @@ def main():
     o.add_argument("--ttt_steps", type=int, default=3, help="draft steps unrolled per position (EAGLE-3: 7)")
     o.add_argument("--pack_len", type=int, default=1024, help="tokens per packed row (longer sequences are cut)")
     o.add_argument("--batch_size", type=int, default=2, help="packed rows per step")
-    o.add_argument("--lr", type=float, default=3e-4)
-    o.add_argument("--warmup", type=int, default=20)
-    o.add_argument("--epochs", type=int, default=1)
-    o.add_argument("--max_steps", type=int)
-    o.add_argument("--stop_after", type=int, help="stop at this step (resume later with the same arguments)")
+    schedule_args(o, lr=3e-4, warmup=20)
     o.add_argument("--noise", type=float, default=0.1, help="U(-noise, noise) on an EAGLE-1 head's input features")
     o.add_argument("--ce_weight", type=float, default=PAPER_CE_WEIGHT, help="EAGLE-1: the CE's weight")
     o.add_argument("--draft_vocab", type=int, default=16384, help="draft from the N most frequent tokens (0: all)")
