@@ -182,6 +182,11 @@ class Steps:
 
 
 EAGER = Steps()
+# inductor's own CPU GEMM micro-kernels (AVX-512, AMX) where they beat the ATen / oneDNN calls, picked by
+# timing both per matrix shape at compile time; freezing folds the weights into the graphs (and bypasses
+# inductor's on-disk cache). Faster on CPUs with AMX, even on AVX-512 alone (results/2026-12-01-autotune-
+# avx512-bf16): scripts/profile_costs.py --autotune measures it, --autotune auto follows the measurement.
+AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 
 
 @dataclass
@@ -502,6 +507,12 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
+    if args.precision:
+        head_dir = (args.eagle_head or (DEFAULT_HEAD if checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent
+                                        else None)) if args.eagle else None
+        precision = fastest_precision(head_dir) if args.precision == "auto" else args.precision
+        args.dtype, args.quantize = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"),
+                                     "int4": (None, "int4")}[precision]
     dtype = DTYPES.get(args.dtype)
     if args.quantize or checkpoint.name.startswith("model_int"):  # torchao is imported for quantized files only
         import quantize
@@ -558,6 +569,30 @@ def cycle_models(head_dir: Path, model: Transformer, device: str):
     return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text())
 
 
+def fastest_precision(head_dir: Optional[Path]) -> str:
+    """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
+    vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
+    there (the head's acceptance.json)."""
+    threads = torch.get_num_threads()
+    path = cost_profile_path(threads)
+    if not path.is_file():
+        raise UsageError(f"--precision auto needs this machine's cost profile at {threads} threads: "
+                         f"python scripts/profile_costs.py --threads {threads} measures one")
+    profile = json.loads(path.read_text())
+    acceptance = head_dir and head_dir / "acceptance.json"
+    acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
+    speeds = {}
+    for precision in profile["precisions"]:
+        costs = CycleCosts.from_profile(profile, precision)
+        gain = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN, lookup_joints=acceptance.get(
+            "lookup", {}).get("joints")).speedup if acceptance else 1.0
+        speeds[precision] = 1000 / costs.decode_ms * gain
+    best = max(speeds, key=speeds.get)
+    print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "
+          + ", ".join(f"{p} {v:.0f}" for p, v in sorted(speeds.items(), key=lambda kv: -kv[1])) + ")", file=sys.stderr)
+    return best
+
+
 def auto_tree_for(head_dir: Path, model: Transformer, device: str):
     """--tree auto: the spec of the static tree (and context branch) tree.auto_tree predicts fastest from
     cycle_models; chain-1 with a one-line hint when either model is missing."""
@@ -570,6 +605,19 @@ def auto_tree_for(head_dir: Path, model: Transformer, device: str):
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
           f"{precision_of(model)}, {torch.get_num_threads()} threads)", file=sys.stderr)
     return best.spec
+
+
+def autotune_options(choice: str, model: Transformer, device: str) -> dict:
+    """torch.compile options for --autotune on / off / auto: auto takes AUTOTUNE_OPTIONS where this
+    machine's cost profile (scripts/profile_costs.py --autotune) measured them faster at this precision."""
+    if choice == "auto":
+        profile = cost_profile_path(torch.get_num_threads())
+        measured = json.loads(profile.read_text()).get("autotune", {}) if device == "cpu" and profile.is_file() else {}
+        choice = "on" if measured.get(precision_of(model), {}).get("faster") else "off"
+        if choice == "on":
+            print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {profile.name})",
+                  file=sys.stderr)
+    return {"options": AUTOTUNE_OPTIONS} if choice == "on" else {}
 
 
 def print_stats(stats: Stats, tree, label: str = ""):
@@ -653,10 +701,14 @@ def parse_args(argv=None):
                    help="default: float32, or the dtype a quantized checkpoint was made for")
     p.add_argument("--max_seq_len", type=int, default=2048)
     p.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's; 1 is faster on a busy machine)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "int4"], help="instead of --dtype and "
+                   "--quantize; auto: the one this machine's cost profile predicts fastest (with --eagle: with EAGLE)")
     p.add_argument("--quantize", choices=["int8", "int4"], help="run int8 / int4 weights, quantized from the "
                    "float checkpoint on first use into a file beside it (quantize.py's, int4 with --quantize_lm_head)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
+    p.add_argument("--autotune", choices=["auto", "on", "off"], default="auto", help="with --compile: inductor's "
+                   "max-autotune GEMM kernels (auto: where scripts/profile_costs.py --autotune measured them faster)")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
     p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
     p.add_argument("--tree", default="auto", help="auto | chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
@@ -672,6 +724,8 @@ def parse_args(argv=None):
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens < 1 or args.num_samples < 1:
         raise UsageError("--max_new_tokens and --num_samples must be >= 1")
+    if args.precision and (args.dtype or args.quantize):
+        raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
     if args.raw and (args.chat_template or args.chat):
         raise UsageError("--raw (plain continuation) cannot go with --chat_template or --chat; drop one")
     if not args.chat and not args.prompt.strip():
@@ -687,7 +741,8 @@ def main(argv=None):
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    steps = Steps.compiled(args.device, args.compile_prefill) if compiled else EAGER
+    steps = Steps.compiled(args.device, args.compile_prefill, **autotune_options(args.autotune, model, args.device)) \
+        if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:

@@ -18,7 +18,9 @@ one row is always a graph of its own, as Dynamo specialises size 1): a fixed-sha
 would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
 compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
 dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
-model calls; this script does not import generate.py). overhead_ms and decode_overhead_ms (host work of a
+model calls; of generate.py it takes only AUTOTUNE_OPTIONS). With --autotune, fixed-shape verifies compiled
+with inductor's max-autotune are timed against the default ones; `autotune[precision].faster` (at least
+AUTOTUNE_MARGIN faster) is what generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
 cycle / of a vanilla step beyond these forwards) are arguments, from generate.py's phase times (defaults:
 this machine's, see main).
 
@@ -43,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import Transformer, causal_mask  # noqa: E402
+from generate import AUTOTUNE_OPTIONS  # noqa: E402
 from tree import cost_profile_path, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -53,6 +56,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
 UPDATE_ROWS = list(range(2, 10))  # depth 1..8
 PREFIX = 300
 PIECES = ("verify", "draft", "update", "move")
+AUTOTUNE_MARGIN = 0.05  # max-autotune is taken where it is at least 5% faster (it costs compile time, no cache)
 TOP_K = 4  # draft top-k of a draft step / head update (a tree's max rank + 1; its cost hardly varies)
 
 
@@ -225,6 +229,9 @@ def main(argv=None):
     p.add_argument("--overhead_ms", type=float, default=0.8, help="host work of a cycle beyond its forwards")
     p.add_argument("--decode_overhead_ms", type=float, default=0.25, help="host work of a vanilla step beyond its forward")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
+                   help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled with "
+                   "generate.AUTOTUNE_OPTIONS against the default: generate.py --autotune auto follows the result")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -264,6 +271,25 @@ def main(argv=None):
                                                            for kind in ("fixed", "curve", "eager")},
                                 "wall": {kind: [checked_wall[precision, kind, n] for n in args.check_rows]
                                          for kind in ("fixed", "curve", "eager")}}
+    autotune = {}
+    if args.autotune is not None:  # inductor's max-autotune against its default, fixed shapes as generate.py's
+        rows = args.autotune or [1, 4, 16]
+        at_jobs = {}
+        for precision, pc in pieces.items():
+            for n in rows:
+                for kind, options in (("default", {}), ("autotuned", {"options": AUTOTUNE_OPTIONS})):
+                    fn = torch.compile(fresh(verify_rows, f"{precision}_{kind}_{n}"), fullgraph=True, dynamic=False,
+                                       **options)
+                    at_jobs[precision, kind, n] = pc.call("verify", n, {"verify": fn}, rows_dynamic=False)
+                    at_jobs[precision, kind, n]()
+                    at_jobs[precision, kind, n]()
+        timed, _ = timed_round_robin(at_jobs, args.reps, seed=2)
+        for precision in pieces:
+            default, tuned = ([timed[precision, kind, n] for n in rows] for kind in ("default", "autotuned"))
+            ratio = statistics.geometric_mean([t / d for t, d in zip(tuned, default)])
+            autotune[precision] = {"rows": rows, "default_ms": default, "autotuned_ms": tuned,
+                                   "ratio": round(ratio, 3), "faster": ratio < 1 - AUTOTUNE_MARGIN}
+            print(f"{precision}: autotuned / default verify time {ratio:.3f} at rows {rows}", file=sys.stderr)
     profile = {
         "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
@@ -279,7 +305,7 @@ def main(argv=None):
             **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},
             "wall_ms": {piece: {str(n): wall[precision, piece, n] for n in rows_of(piece)} for piece in PIECES}}
             for precision, pc in pieces.items()},
-        "check": check, "warm_up_s": compile_s, "graphs": graphs,
+        "check": check, "autotune": autotune, "warm_up_s": compile_s, "graphs": graphs,
         "load_average": {"start": [round(v, 2) for v in load_before], "end": [round(v, 2) for v in os.getloadavg()]},
         "wall_s": round(time.perf_counter() - start, 1),
     }

@@ -654,6 +654,27 @@ def test_compiled_steps_do_not_recompile(device):
         torch._dynamo.reset()
 
 
+def test_autotuned_steps_are_lossless_and_do_not_recompile():
+    """Steps compiled with inductor's max-autotune GEMM kernels and freezing (generate.AUTOTUNE_OPTIONS,
+    what --autotune takes): greedy EAGLE (a chain with a context branch) equals vanilla, and nothing
+    recompiles after the warm-up as prompts, cache lengths and the conversation change. Real inductor."""
+    model = tiny_target(vocab_size=32)
+    head = copycat_head(model)
+    prompts = tiny_prompts(3, 32, seed=4)
+    n = 10
+    refs = [vanilla_greedy(model, p, n) for p in prompts]
+    torch._dynamo.reset()
+    steps = generate.Steps.compiled("cpu", options=generate.AUTOTUNE_OPTIONS)
+    try:
+        for session in (Session(model, 64, steps=steps), Session(model, 64, head, parse_tree("chain-2+lookup-2"), steps)):
+            assert session.generate(prompts[0], n, Sampling())[0] == refs[0]  # warm-up
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for prompt, ref in zip(prompts[1:], refs[1:]):
+                    assert session.generate(prompt, n, Sampling())[0] == ref
+    finally:
+        torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("spec", ["paper", "chain-4", "dynamic-4-4-12", "chain-2+lookup-3"])
 def test_stop_token_inside_accepted_path(spec):
@@ -836,6 +857,15 @@ def test_cli_eagle_prints_what_vanilla_prints(head, cli_files, monkeypatch, caps
     assert code == 0, err
     assert eagle_out == vanilla_out and vanilla_out.startswith("The owl")
     assert "tau" in err
+
+
+def test_cli_precision_names_a_dtype_or_quantization(monkeypatch, capsys):
+    """--precision fp32 / bf16 run as --dtype float32 / bfloat16 (same text)."""
+    argv = ["--raw", "--prompt", "The owl", "--max_new_tokens", "6"]
+    for precision, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        outs = [run_cli_in_process(argv + extra, monkeypatch, capsys) for extra in
+                (["--precision", precision], ["--dtype", dtype])]
+        assert all(code == 0 for code, _, _ in outs) and outs[0][1] == outs[1][1], outs
 
 
 def test_cli_renders_the_chat_template_by_default(monkeypatch, capsys):

@@ -272,3 +272,51 @@ def test_context_lookup_copies_the_latest_match():
     assert c.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3, 4, 4], 3) == [4, 4, 4]  # periodic: copies itself
     c.reset()
     assert c.propose([8, 1, 8], 2) == [1, 8]
+
+
+def test_autotune_follows_this_machines_measurement(tmp_path, monkeypatch, capsys):
+    """--autotune auto compiles with inductor's max-autotune only where profile_costs.py --autotune measured
+    it faster at this precision; on / off force it; no profile: off."""
+    import torch
+
+    import generate
+    from test_eagle import tiny_target
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_target()  # fp32
+    on = {"options": generate.AUTOTUNE_OPTIONS}
+    assert generate.autotune_options("auto", model, "cpu") == {} and generate.autotune_options("on", model, "cpu") == on
+    path = tree.cost_profile_path(torch.get_num_threads())
+    path.parent.mkdir(parents=True)
+    for faster, expected in ((True, on), (False, {})):
+        path.write_text(json.dumps({"precisions": {}, "autotune": {"fp32": {"ratio": 0.5 if faster else 1.0,
+                                                                              "faster": faster}}}))
+        assert generate.autotune_options("auto", model, "cpu") == expected
+        assert generate.autotune_options("off", model, "cpu") == {}
+    assert "max-autotune (measured faster here for fp32" in capsys.readouterr().err
+
+
+def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsys):
+    """--precision auto: vanilla takes the precision of the fastest decode step in this machine's profile;
+    with a head it takes the fastest with that head's --tree auto tree, which may be another (here: a
+    slower bf16 step whose extra verify rows are nearly free beats int4's steep rows)."""
+    import torch
+
+    import generate
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(generate.UsageError, match="profile_costs.py --threads"):
+        generate.fastest_precision(None)
+    steep, flat = {str(n): 10.0 * n for n in (1, 64)}, {str(n): 13.0 + 0.01 * n for n in (1, 64)}
+    piece = {"draft_ms": {"1": 0.1, "64": 0.1}, "update_ms": {"1": 0.1, "9": 0.1}, "move_ms": {"1": 0.1, "9": 0.1}}
+    profile = {"precisions": {"int4": {"verify_ms": steep, **piece}, "bf16": {"verify_ms": flat, **piece},
+                              "fp32": {"verify_ms": {"1": 40.0, "64": 41.0}, **piece}}}
+    tree.cost_profile_path(torch.get_num_threads()).parent.mkdir(parents=True)
+    tree.cost_profile_path(torch.get_num_threads()).write_text(json.dumps(profile))
+    (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.8, 0.1]] * 6}))
+    assert generate.fastest_precision(None) == "int4"
+    assert generate.fastest_precision(tmp_path) == "bf16"
+    assert "precision auto: bf16 (predicted tokens/s with EAGLE: bf16" in capsys.readouterr().err
+    for argv in (["--precision", "auto", "--quantize", "int4"], ["--precision", "bf16", "--dtype", "float32"]):
+        with pytest.raises(generate.UsageError, match="--precision replaces"):
+            generate.parse_args(argv)
