@@ -192,6 +192,9 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     chosen = tree.parse_tree(generate.auto_tree_for(tmp_path, model, "cpu"))
     paths, tau, _, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
     assert chosen.num_nodes == len(paths) + 1 >= 20 and chosen.max_depth >= 4
+    (tmp_path / "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [[[0, 0, 10]] * 7] * 2}}))
+    assert "+lookup-" in generate.auto_tree_for(tmp_path, model, "cpu")  # every position matches: a branch
+    assert "+lookup-" not in generate.auto_tree_for(tmp_path, model, "cpu", greedy=False)  # sampling: none
     assert f"tree auto: {paths} (predicted tau {tau:.2f}" in capsys.readouterr().err
     for prompt in tiny_prompts(2, model.config.vocab_size):
         out, _ = generate.Session(model, len(prompt) + 24, head, chosen).generate(prompt, 24, generate.Sampling())
