@@ -1014,8 +1014,10 @@ def run_benchmark(args, argv):
     warm_prompt = render(tokenizer, items[0].turns[:1], [])
     for m in tqdm(methods, desc="warm-up", file=sys.stderr):
         start = time.perf_counter()
-        sampling = generate.Sampling(args.temperatures[0])  # the compiled steps are the same for every sampling
-        runners[m.name].run(warm_prompt, min(WARMUP_TOKENS, args.max_new_tokens), sampling, stop_ids)
+        # greedy steps return tokens, sampling ones logits: one compiled graph each, both built here
+        for greedy in sorted({t == 0 for t in args.temperatures}):
+            sampling = generate.Sampling(0.0 if greedy else 1.0)
+            runners[m.name].run(warm_prompt, min(WARMUP_TOKENS, args.max_new_tokens), sampling, stop_ids)
         setup[m.name]["warmup_s"] = time.perf_counter() - start
 
     reference = reference_method(methods)
