@@ -184,8 +184,9 @@ class Steps:
 EAGER = Steps()
 # inductor's own CPU GEMM micro-kernels (AVX-512, AMX) where they beat the ATen / oneDNN calls, picked by
 # timing both per matrix shape at compile time; freezing folds the weights into the graphs (and bypasses
-# inductor's on-disk cache). Faster on CPUs with AMX, even on AVX-512 alone (results/2026-12-01-autotune-
-# avx512-bf16): scripts/profile_costs.py --autotune measures it, --autotune auto follows the measurement.
+# inductor's on-disk cache). Up to 2x faster on a Xeon with AMX (issue 20's table), a tie on the AVX-512 BF16
+# CPU without AMX (results/2026-12-01-autotune-avx512-bf16): scripts/profile_costs.py --autotune measures
+# it on the machine at hand, --autotune auto follows the measurement.
 AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 
 
@@ -510,7 +511,7 @@ def load(args):
     if args.precision:
         head_dir = (args.eagle_head or (DEFAULT_HEAD if checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent
                                         else None)) if args.eagle else None
-        precision = fastest_precision(head_dir) if args.precision == "auto" else args.precision
+        precision = fastest_precision(head_dir, args.temperature == 0) if args.precision == "auto" else args.precision
         args.dtype, args.quantize = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"),
                                      "int4": (None, "int4")}[precision]
     dtype = DTYPES.get(args.dtype)
@@ -571,10 +572,10 @@ def cycle_models(head_dir: Path, model: Transformer, device: str):
     return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text())
 
 
-def fastest_precision(head_dir: Optional[Path]) -> str:
+def fastest_precision(head_dir: Optional[Path], greedy: bool = True) -> str:
     """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
     vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
-    there (the head's acceptance.json)."""
+    there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for)."""
     threads = torch.get_num_threads()
     path = cost_profile_path(threads)
     if not path.is_file():
@@ -586,8 +587,9 @@ def fastest_precision(head_dir: Optional[Path]) -> str:
     speeds = {}
     for precision in profile["precisions"]:
         costs = CycleCosts.from_profile(profile, precision)
-        gain = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN, lookup_joints=acceptance.get(
-            "lookup", {}).get("joints")).speedup if acceptance else 1.0
+        joints = acceptance.get("lookup", {}).get("joints") if acceptance and greedy else None
+        gain = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints).speedup \
+            if acceptance else 1.0
         speeds[precision] = 1000 / costs.decode_ms * gain
     best = max(speeds, key=speeds.get)
     print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "

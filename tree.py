@@ -158,8 +158,9 @@ class Tree:
         return self
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: fill the fixed tree (its context branch: session.context's proposal), one head forward per level on all its nodes, through the session's
-        steps, model (the target), head and window; root: the head's prediction after the root's own pair
+        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes (the context branch:
+        session.context's proposal, no forward), through the session's steps, model (the target), head and
+        window; root: the head's prediction after the root's own pair
         (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely draft token.
         Sampling: a node's children are draws without replacement from the head's q (its logits through the
         target's temperature / top-k / top-p), rank r = the r-th draw, kept in draft_probs; accepted with
