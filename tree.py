@@ -24,7 +24,7 @@ decoding). They cost no head forward, only verify rows; verification treats them
 """
 import ast
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -426,7 +426,11 @@ def greedy_order(p, max_nodes: int, max_depth: int) -> list:
 
 def interpolate(points: dict, x: float) -> float:
     """Piecewise-linear through {rows: ms} (keys int or str), extended linearly past the last two points."""
-    xs = sorted((int(k), v) for k, v in points.items())
+    return along(sorted((int(k), v) for k, v in points.items()), x)
+
+
+def along(xs: list, x: float) -> float:
+    """interpolate over its points as (rows, ms) pairs sorted by rows."""
     if x <= xs[0][0]:
         return xs[0][1]
     for (x0, y0), (x1, y1) in zip(xs, xs[1:]):
@@ -448,6 +452,11 @@ class CycleCosts:
     move: dict
     overhead_ms: float = 0.0
     decode_overhead_ms: float = 0.0
+    curves: dict = field(init=False, repr=False)  # the four as sorted (rows, ms) pairs, for `along`
+
+    def __post_init__(self):
+        self.curves = {name: sorted((int(k), v) for k, v in getattr(self, name).items())
+                       for name in ("verify", "draft", "update", "move")}
 
     @classmethod
     def from_profile(cls, profile: dict, precision: str) -> "CycleCosts":
@@ -458,7 +467,7 @@ class CycleCosts:
 
     @property
     def decode_ms(self) -> float:
-        return interpolate(self.verify, 1) + self.decode_overhead_ms
+        return along(self.curves["verify"], 1) + self.decode_overhead_ms
 
     def cycle_ms(self, paths, lookup: int = 0) -> float:
         """A cycle of the tree `paths` with a context branch of `lookup` nodes (whose accepted path is not
@@ -467,36 +476,47 @@ class CycleCosts:
         for q in paths:
             widths[len(q) - 1] += 1
         depth, in_place = max(len(widths), lookup), all(w == 1 for w in widths) and not lookup
-        return (interpolate(self.verify, len(paths) + 1 + lookup) + sum(interpolate(self.draft, w) for w in widths[:-1])
-                + interpolate(self.update, depth + 1) + (0.0 if in_place else interpolate(self.move, depth + 1))
-                + self.overhead_ms)
+        c = self.curves
+        return (along(c["verify"], len(paths) + 1 + lookup) + sum(along(c["draft"], w) for w in widths[:-1])
+                + along(c["update"], depth + 1) + (0.0 if in_place else along(c["move"], depth + 1)) + self.overhead_ms)
+
+
+def reach(paths, p) -> list:
+    """[1, P(A >= 1), ..., P(A >= depth), 0]: the chance that the tree's accepted path A reaches each depth
+    (the nodes of one depth are disjoint events: one path is accepted)."""
+    depth = max(map(len, paths))
+    return [1.0] + [sum(path_value(q, p) for q in paths if len(q) == d) for d in range(1, depth + 1)] + [0.0]
+
+
+def context_gain(at_least: list, joint, n: int) -> float:
+    """Tokens per cycle a context branch of n nodes adds to a tree that reaches each depth with chance
+    at_least (reach): a cycle accepts the longer of the head's path A and the branch's match B, P(A = a)
+    from the positional model, P(B >= d | A = a) from joint[a][b], counts of cycle starts where the head's
+    chain accepted a tokens and the context proposal matched b (a capped at the tree's depth; B and A
+    measured together: both are long on the same easy stretches)."""
+    depth = len(at_least) - 2
+    rows = [list(r) for r in joint[:depth]] + [[sum(c) for c in zip(*joint[depth:])]]  # a = 0..depth
+    gain = 0.0
+    for a, row in enumerate(rows):
+        if sum(row):  # given A = a, the branch adds its depths d = a + 1..n it reaches: E[min(B, n) - a]+
+            gain += (at_least[a] - at_least[a + 1]) * sum(sum(row[d:]) for d in range(a + 1, n + 1)) / sum(row)
+    return gain
 
 
 def lookup_tau(paths, p, joint) -> list:
     """Expected tokens per cycle of the tree `paths` with a context branch of 0, 1, 2, ... nodes (one
-    entry per branch length, up to the longest match joint counts). A cycle accepts the longer of the
-    head's path A and the branch's match B: P(A = a) comes from the positional model, P(B >= d | A = a)
-    from joint[a][b], counts of cycle starts where the head's chain accepted a tokens and the context
-    proposal matched b (a capped at the tree's depth; B and A measured together: both are long on the
-    same easy stretches)."""
-    depth = max(map(len, paths))
-    at_least = [1.0] + [sum(path_value(q, p) for q in paths if len(q) == d) for d in range(1, depth + 1)] + [0.0]
-    rows = [list(r) for r in joint[:depth]] + [[sum(c) for c in zip(*joint[depth:])]]  # a = 0..depth
-    taus = [1.0 + sum(at_least[1:])]
-    for d in range(1, len(joint[0])):
-        taus.append(taus[-1] + sum((at_least[a] - at_least[a + 1]) * sum(rows[a][d:]) / sum(rows[a])
-                                   for a in range(min(d, depth + 1)) if sum(rows[a])))
-    return taus
+    entry per branch length, up to the longest match joint counts), all scored on one joint (context_gain)."""
+    at_least = reach(paths, p)
+    return [1.0 + sum(at_least[1:]) + context_gain(at_least, joint, n) for n in range(len(joint[0]))]
 
 
 def branch_taus(paths, p, lookup_joints=None) -> list:
     """tau of `paths` with a context branch of 0, 1, ... nodes; lookup_joints[n - 1]: the joint counts
-    (lookup_tau) taken at the cycle starts of a walk with an n-node branch, so that each length is
+    (context_gain) taken at the cycle starts of a walk with an n-node branch, so that each length is
     scored on the cycles it would run (acceptance.json's lookup.joints)."""
-    taus = [tree_tau(paths, p)]
-    for n, joint in enumerate(lookup_joints or [], 1):
-        taus.append(lookup_tau(paths, p, joint)[n])
-    return taus
+    at_least = reach(paths, p)
+    tau = 1.0 + sum(at_least[1:])  # tree_tau
+    return [tau] + [tau + context_gain(at_least, joint, n) for n, joint in enumerate(lookup_joints or [], 1)]
 
 
 class AutoTree(NamedTuple):
