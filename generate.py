@@ -512,8 +512,10 @@ def load(args):
         head_dir = (args.eagle_head or (DEFAULT_HEAD if checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent
                                         else None)) if args.eagle else None
         precision = fastest_precision(head_dir, args.temperature == 0) if args.precision == "auto" else args.precision
-        args.dtype, args.quantize = {"fp32": ("float32", None), "bf16": ("bfloat16", None), "int8": (None, "int8"),
-                                     "int4": (None, "int4")}[precision]
+        if precision in ("int8", "int4"):
+            args.quantize = precision
+        else:  # fp32 / bf16: the dtype of that name
+            args.dtype = next(name for name, dtype in DTYPES.items() if PRECISIONS.get(dtype) == precision)
     dtype = DTYPES.get(args.dtype)
     if args.quantize or checkpoint.name.startswith("model_int"):  # torchao is imported for quantized files only
         import quantize
@@ -555,14 +557,20 @@ def precision_of(model: Transformer) -> str:
     return model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
 
 
+def cost_profile() -> tuple:
+    """(path, this machine's cost profile at this thread count, or None where scripts/profile_costs.py has
+    not measured one)."""
+    path = cost_profile_path(torch.get_num_threads())
+    return path, json.loads(path.read_text()) if path.is_file() else None
+
+
 def cycle_models(head_dir: Path, model: Transformer, device: str):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict), or (None, why not: one line)."""
-    precision = precision_of(model)
-    threads = torch.get_num_threads()
-    profile, acceptance = cost_profile_path(threads), head_dir / "acceptance.json"
-    costs = json.loads(profile.read_text()) if device == "cpu" and profile.is_file() else {"precisions": {}}
+    precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
+    profile = cost_profile()[1]
+    costs = profile if device == "cpu" and profile else {"precisions": {}}
     if not acceptance.is_file():
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it")
@@ -576,12 +584,11 @@ def fastest_precision(head_dir: Optional[Path], greedy: bool = True) -> str:
     """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
     vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
     there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for)."""
-    threads = torch.get_num_threads()
-    path = cost_profile_path(threads)
-    if not path.is_file():
+    profile = cost_profile()[1]
+    if profile is None:
+        threads = torch.get_num_threads()
         raise UsageError(f"--precision auto needs this machine's cost profile at {threads} threads: "
                          f"python scripts/profile_costs.py --threads {threads} measures one")
-    profile = json.loads(path.read_text())
     acceptance = head_dir and head_dir / "acceptance.json"
     acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
     speeds = {}
@@ -617,11 +624,11 @@ def autotune_options(choice: str, model: Transformer, device: str) -> dict:
     """torch.compile options for --autotune on / off / auto: auto takes AUTOTUNE_OPTIONS where this
     machine's cost profile (scripts/profile_costs.py --autotune) measured them faster at this precision."""
     if choice == "auto":
-        profile = cost_profile_path(torch.get_num_threads())
-        measured = json.loads(profile.read_text()).get("autotune", {}) if device == "cpu" and profile.is_file() else {}
+        path, profile = cost_profile()
+        measured = profile.get("autotune", {}) if device == "cpu" and profile else {}
         choice = "on" if measured.get(precision_of(model), {}).get("faster") else "off"
         if choice == "on":
-            print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {profile.name})",
+            print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {path.name})",
                   file=sys.stderr)
     return {"options": AUTOTUNE_OPTIONS} if choice == "on" else {}
 
