@@ -473,11 +473,11 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
     return groups
 
 
-def predicted_against_measured(methods: list, targets: dict, runs: list, device: str) -> dict:
-    """Per compiled static-tree EAGLE method: tau and speedup over vanilla of its precision as --tree auto
-    predicts them (generate.cycle_models, tree.predict: this machine's cost profile and the head's
-    acceptance model), beside the measured tau and median per-prompt speedup over that vanilla. Greedy
-    only: the acceptance model is the greedy one."""
+def predicted_against_measured(group: dict, methods: list, targets: dict, runs: list, device: str) -> dict:
+    """Per compiled static-tree EAGLE method of a summarize() group (runs: the group's): tau and speedup
+    over vanilla of its precision as --tree auto predicts them (generate.cycle_models, tree.predict: this
+    machine's cost profile and the head's acceptance model), beside the measured tau and median per-prompt
+    speedup over that vanilla. Greedy only: the acceptance model is the greedy one."""
     out = {}
     for m in methods:
         twin = f"vanilla-{m.dtype}-compiled"
@@ -490,8 +490,8 @@ def predicted_against_measured(methods: list, targets: dict, runs: list, device:
         base = {prompt_key(r): r["tokens_per_s"] for r in runs if r["method"] == twin}
         mine = [r for r in runs if r["method"] == m.name]
         ratios = [r["tokens_per_s"] / base[prompt_key(r)] for r in mine if base.get(prompt_key(r))]
-        measured_tau = sum(r["committed"] for r in mine) / max(1, sum(r["target_forwards"] for r in mine))
-        out[m.name] = {"tree": m.tree, "over": twin, "predicted_tau": tau, "measured_tau": measured_tau,
+        out[m.name] = {"tree": m.tree, "over": twin, "predicted_tau": tau,
+                       "measured_tau": group["methods"][m.name]["tau"],
                        "predicted_speedup": speedup, "measured_speedup": float(np.median(ratios)) if ratios else None}
     return out
 
@@ -1052,9 +1052,9 @@ def run_benchmark(args, argv):
 
     groups = summarize(runs, methods, args.baseline)
     for g in groups:
-        g["predicted"] = predicted_against_measured(methods, targets, [r for r in runs if r["temperature"] ==
-                                                                       g["temperature"] and r["dataset"] == g["dataset"]],
-                                                    device) if g["temperature"] == 0 else {}
+        group_runs = [r for r in runs if (r["dataset"], r["temperature"]) == (g["dataset"], g["temperature"])]
+        greedy = g["temperature"] == 0
+        g["predicted"] = predicted_against_measured(g, methods, targets, group_runs, device) if greedy else {}
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
     result = {
         "metadata": {

@@ -102,8 +102,8 @@ def fresh(fn, tag: str):
     return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__)
 
 
-def compiled(fn, tag: str):
-    return torch.compile(fresh(fn, tag), fullgraph=True, dynamic=False)
+def compiled(fn, tag: str, **options):
+    return torch.compile(fresh(fn, tag), fullgraph=True, dynamic=False, **options)
 
 
 def dynamic(*marks):
@@ -278,8 +278,7 @@ def main(argv=None):
         for precision, pc in pieces.items():
             for n in rows:
                 for kind, options in (("default", {}), ("autotuned", {"options": AUTOTUNE_OPTIONS})):
-                    fn = torch.compile(fresh(verify_rows, f"{precision}_{kind}_{n}"), fullgraph=True, dynamic=False,
-                                       **options)
+                    fn = compiled(verify_rows, f"{precision}_{kind}_{n}", **options)
                     at_jobs[precision, kind, n] = pc.call("verify", n, {"verify": fn}, rows_dynamic=False)
                     at_jobs[precision, kind, n]()
                     at_jobs[precision, kind, n]()

@@ -558,12 +558,12 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
                      k: int = ACCEPTANCE_RANKS, lookup: int = LOOKUP_MAX) -> dict:
     """p[d-1][r] = P(target's greedy token == the head's rank-r draft at a node of depth d | the node's
     parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
-    token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joint[a][b]: positions where
-    the head's chain accepted a tokens and a context branch (tree.ContextLookup on the text so far) would
-    have matched b <= `lookup`, counted at the cycle starts of a chain-1+lookup-n walk for each n (tree.lookup_tau:
-    per position, long matches would count once per token they cover). Also a replay of EAGLE cycles over the sequences for a
-    few trees (each cycle starts after the previous one's bonus token), against the tau the positional
-    model predicts: how much the per-token model misses by."""
+    token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joints[n-1][a][b]: cycle
+    starts of a chain-1+lookup-n walk where the head's chain accepted a tokens and a context branch
+    (tree.ContextLookup on the text so far) matched b <= `lookup` (tree.context_gain; counted per position,
+    a long match would count once per token it covers). Also a replay of EAGLE cycles over the sequences
+    for a few trees (each cycle starts after the previous one's bonus token), against the tau the
+    positional model predicts: how much the per-token model misses by."""
     from tree import ContextLookup, accepted_depth, parse_paths, predict, split_lookup
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
