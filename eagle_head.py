@@ -7,14 +7,12 @@ of f_{i+1}; the target's LM head maps it to the draft distribution of t_{i+2}.
 The target's embedding and LM head are reused (frozen); only `fc` and the layer are trained.
 
 Draft vocabulary (optional, as EAGLE-3 does): a head may draft from only the most frequent tokens
-(`draft_vocab.json`, a list of token ids). The draft then multiplies by those rows of the LM head
-only, which on a CPU makes a draft step several times cheaper (the 49152-row LM head is most of
-it). Verification still uses the full target, so this changes speed and acceptance, never output.
+(`draft_vocab.json`, a list of token ids), multiplying by those rows of the LM head only: on a CPU a
+draft step several times cheaper. Verification uses the full target: speed and acceptance change, never output.
 
-Input representation (`input_mode`, for the paper's ablation only; the shipped head is "shifted"):
-"shifted" is EAGLE's fc(concat(embed(t_{i+1}), f_i)); "unshifted" pairs f_i with its own token t_i, so the
-draft never sees the token sampled after f_i; "feature" and "token" zero the other half of the input.
-Callers pick the token with `pair_tokens`; everything else is the same for every mode.
+Input representation (`input_mode`, for the paper's ablation only; the shipped head is "shifted"): "unshifted"
+pairs f_i with its own token t_i (callers pick the token with `pair_tokens`); "feature" and "token" zero
+the other half of the input.
 
 Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang and vLLM also read:
 config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys
@@ -46,9 +44,7 @@ class EagleHead(nn.Module):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {', '.join(INPUT_MODES)}, got {input_mode!r}")
-        self.config = config
-        self.fc_bias = fc_bias
-        self.input_mode = input_mode
+        self.config, self.fc_bias, self.input_mode = config, fc_bias, input_mode
         self.fc = nn.Linear(2 * config.dim, config.dim, bias=fc_bias)
         self.attention = Attention(config, bias=False)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
@@ -66,17 +62,14 @@ class EagleHead(nn.Module):
     def setup_caches(self, max_seq_len: int, dtype=None):
         if self.max_seq_len == max_seq_len and self.attention.kv_cache is not None:
             return
-        weight = self.fc.weight
-        c = self.config
+        weight, c = self.fc.weight, self.config
         dtype = dtype or cache_dtype(weight.dtype, weight.device)
         self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device)
         self.setup_rope(max_seq_len)
 
     def setup_rope(self, max_seq_len: int, dtype=None):
         """Rotary tables only: training runs whole sequences with no KV cache."""
-        dtype = dtype or self.fc.weight.dtype
-        device = self.fc.weight.device
-        c = self.config
+        dtype, device, c = dtype or self.fc.weight.dtype, self.fc.weight.device, self.config
         self.max_seq_len = max_seq_len
         cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
@@ -90,10 +83,8 @@ class EagleHead(nn.Module):
             token_embeds = torch.zeros_like(token_embeds)
         elif self.input_mode == "token":
             features = torch.zeros_like(features)
-        if mask is None:
-            mask = causal_mask(input_pos, self.max_seq_len)
-        if rope_pos is None:
-            rope_pos = input_pos
+        mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
+        rope_pos = input_pos if rope_pos is None else rope_pos
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         h = x + self.attention(x, input_pos, self.rope_cos[rope_pos], self.rope_sin[rope_pos], mask)
         return h + self.feed_forward(self.post_attention_norm(h))
@@ -104,10 +95,9 @@ class EagleHead(nn.Module):
 
     def bind(self, target_lm_weight: Tensor):
         """Draft through the target's LM head: `lm_head` becomes a linear over its rows of the draft
-        vocabulary (a copy when that is a subset). They are the target's weights, not the head's, so no
-        submodule: state dicts, optimizers and .to() leave them out. The weight must be a plain tensor (a
-        quantized target's float rows come through quantize.quantize_head_like, which may also swap in a
-        quantized linear); a Session binds a head that is not bound yet."""
+        vocabulary (a copy when that is a subset), no submodule (the target's weights: state dicts,
+        optimizers and .to() leave it out). A plain weight only: quantize.quantize_head_like binds a
+        quantized target's; a Session binds a head that is not bound yet."""
         if type(target_lm_weight) not in (Tensor, nn.Parameter):
             raise TypeError("EagleHead.bind takes a plain float weight; bind a quantized target's LM head "
                             "with quantize.quantize_head_like")
@@ -136,25 +126,15 @@ class EagleHead(nn.Module):
 
     # ---- official checkpoint layout ----
     def save(self, out_dir, target_embedding: Optional[Tensor] = None, safetensors: bool = False):
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        c = self.config
-        config = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": self.fc_bias,
-            "hidden_size": c.dim, "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
-            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
-            "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "hidden_act": "silu", "torch_dtype": "float32",
-            "head_dim": c.head_dim,
-        }
+        config = head_config(self.config, "LlamaForCausalLM", bias=self.fc_bias)
         if self.input_mode != "shifted":  # an ablation head; EAGLE's own layout has no such key
             config["eagle_input_mode"] = self.input_mode
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
         state = {k: v.float().contiguous() for k, v in self.official_state_dict().items()}
         if target_embedding is not None:
             state["embed_tokens.weight"] = target_embedding.float().contiguous()
+        write_head(out_dir, config, state, safetensors)
         if self.draft_vocab is not None:
-            (out_dir / "draft_vocab.json").write_text(json.dumps(self.draft_vocab.tolist()))
-        write_weights(out_dir, state, safetensors)
+            (Path(out_dir) / "draft_vocab.json").write_text(json.dumps(self.draft_vocab.tolist()))
 
     def official_state_dict(self) -> dict:
         state = {"fc.weight": self.fc.weight, **decoder_layer_state(self, "layers.0.")}
@@ -165,14 +145,10 @@ class EagleHead(nn.Module):
     @classmethod
     def load(cls, head_dir, device="cpu", dtype=torch.float32) -> "EagleHead":
         head_dir = Path(head_dir)
-        config_path = head_dir / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"no EAGLE head at {head_dir} (config.json missing); "
-                                  "train one with scripts/train_eagle.py or fetch one with scripts/download.py")
+        config_path, config_dict = head_dir / "config.json", read_head_config(head_dir)
         try:
-            config_dict = json.loads(config_path.read_text())
             config = ModelArgs.from_config({**config_dict, "architectures": ["LlamaForCausalLM"]})
-        except (json.JSONDecodeError, KeyError) as e:
+        except KeyError as e:
             raise CheckpointError(f"{config_path} is not a valid EAGLE head config ({e})") from None
         config.n_layer, config.attention_bias, config.tie_embeddings = 1, False, False
         state = read_weights(head_dir)
@@ -227,8 +203,20 @@ def decoder_layer_from_state(state: dict, prefix: str, c: ModelArgs) -> dict:
                                              for ours, theirs in names.items()}}
 
 
-def write_weights(out_dir: Path, state: dict, safetensors: bool):
-    """model.safetensors or pytorch_model.bin, the two files read_weights reads."""
+def head_config(c: ModelArgs, architecture: str, **keys) -> dict:
+    """The config.json of a one-layer head of config c (LlamaConfig keys), and `keys`."""
+    return {"architectures": [architecture], "model_type": "llama", "hidden_size": c.dim,
+            "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
+            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
+            "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "hidden_act": "silu", "torch_dtype": "float32",
+            "head_dim": c.head_dim, **keys}
+
+
+def write_head(out_dir, config: dict, state: dict, safetensors: bool):
+    """config.json and the weights: model.safetensors or pytorch_model.bin, the two files read_weights reads."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     if safetensors:
         from safetensors.torch import save_file
         save_file(state, out_dir / "model.safetensors")
@@ -343,10 +331,8 @@ class Eagle3Head(nn.Module):
         before [B, T, dim] (a draft step). Returns the output hidden [B, T, dim], before the final norm."""
         if features.shape[-1] != self.config.dim:
             features = self.fc(features)
-        if mask is None:
-            mask = causal_mask(input_pos, self.max_seq_len)
-        if rope_pos is None:
-            rope_pos = input_pos
+        mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
+        rope_pos = input_pos if rope_pos is None else rope_pos
         hidden = self.hidden_norm(features)
         x = torch.cat([self.input_norm(token_embeds), hidden], dim=-1)
         residual = hidden if self.norm_before_residual else features
@@ -382,24 +368,16 @@ class Eagle3Head(nn.Module):
 
     # ---- official EAGLE-3 checkpoint layout ----
     def save(self, out_dir, safetensors: bool = False):
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         c = self.config
-        config = {
-            "architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama",
-            "hidden_size": c.dim, "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
-            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
-            "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "draft_vocab_size": self.lm_head.out_features,
-            "hidden_act": "silu", "torch_dtype": "float32", "head_dim": c.head_dim, "tie_word_embeddings": False,
-        }
+        config = head_config(c, EAGLE3_ARCHITECTURES[0], draft_vocab_size=self.lm_head.out_features,
+                             tie_word_embeddings=False)
         if c.rope_scaling is not None:
             config["rope_scaling"] = c.rope_scaling
         if self.norm_before_residual:
             config["norm_before_residual"] = True
         if self.feature_layers is not None:
             config.update(layer_ids_config(self.feature_layers))
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-        write_weights(out_dir, {k: v.contiguous() for k, v in self.official_state_dict().items()}, safetensors)
+        write_head(out_dir, config, {k: v.contiguous() for k, v in self.official_state_dict().items()}, safetensors)
 
     def official_state_dict(self) -> dict:
         c = self.config

@@ -112,8 +112,7 @@ def prefill(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor)
 
 
 def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool):
-    """The next token's logits [1, 1, V], or with `greedy` the greedy token [1, 1] (the argmax runs in
-    the compiled step)."""
+    """The next token's logits [1, 1, V], or with `greedy` the greedy token [1, 1] (argmax in the graph)."""
     logits, _ = model(token, input_pos, mask=mask)
     return argmax_tokens(logits) if greedy else logits
 
@@ -172,10 +171,9 @@ class Steps:
 
     @classmethod
     def compiled(cls, device: str, prefill_too: bool = False, **options) -> "Steps":
-        """Full graphs of static shape (the slot count of a live mask is dynamic, see CacheWindow), on CUDA
-        with mode "reduce-overhead" (CUDA graphs), so nothing recompiles: the target's steps compile once
-        greedy and once sampling. With prefill_too the prefills too, with dynamic shapes. `options` go to
-        every torch.compile call: the one place to change them (backend="aot_eager", mode="max-autotune")."""
+        """Full graphs of static shape (a live mask's slot count is dynamic, see CacheWindow; on CUDA, CUDA
+        graphs), so nothing recompiles: the target's steps compile once greedy, once sampling. prefill_too:
+        the prefills too, with dynamic shapes. `options` go to every torch.compile call (e.g. backend=...)."""
         fixed = {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.startswith("cuda") else {})}
         return cls(lambda f: torch.compile(f, **{**fixed, **options}),
                    (lambda f: torch.compile(f, fullgraph=True, dynamic=True, **options)) if prefill_too else None)
@@ -257,13 +255,10 @@ class Stats:
 
 
 class Session:
-    """A target (and optional EAGLE head) with their caches and the tokens they hold.
-
-    tokens[:target_len] are in the target cache, features[i] is the target's feature at position i,
-    and the head cache holds positions 0..head_len-1 (pairs (f_i, t_{i+1})). A new prompt that
-    extends `tokens` (the next chat turn) only prefills what is new. `steps` runs the model (default
-    eager; Steps.compiled(device) for compiled graphs).
-    """
+    """A target (and optional EAGLE head) with their caches and the tokens they hold: tokens[:target_len]
+    are in the target cache, features[i] is the target's feature at position i, the head cache holds
+    positions 0..head_len-1 (pairs (f_i, t_{i+1})). A prompt that extends `tokens` (the next chat turn)
+    only prefills what is new. `steps` runs the model (default: eagerly)."""
 
     def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None):
@@ -317,16 +312,14 @@ class Session:
         run = self._eagle_cycles if self.head is not None else self._vanilla_steps
         for new in run(token, sampling, stats):
             new = new[: max_new_tokens - len(out)]
-            stop = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            if stop is not None:
-                new = new[: stop + 1]
+            stop = next((i + 1 for i, t in enumerate(new) if t in stop_ids), None)  # cut after a stop token
+            new = new[:stop]
             out += new
             if on_tokens:
                 on_tokens(new)
             if stop is not None or len(out) >= max_new_tokens:
                 break
-        stats.total_s = time.perf_counter() - start
-        stats.new_tokens = len(out)
+        stats.total_s, stats.new_tokens = time.perf_counter() - start, len(out)
         self.tokens = list(prompt) + out
         self.target_len = min(self.target_len, len(self.tokens))
         self.head_len = min(self.head_len, len(self.tokens) - 1)
@@ -401,8 +394,7 @@ class Session:
         self.features[base: base + pad] = feats
         root = self._feed_head(True, base, new, [self.tokens[-1]] + new[:-1], feats, n_acc - 1, stats)
         self.tokens += new
-        self.target_len += n_acc
-        self.head_len = self.target_len
+        self.target_len = self.head_len = self.target_len + n_acc
         return root
 
     def _feed_head(self, update: bool, start: int, next_tokens: list, own_tokens: list, features: Tensor,
@@ -426,7 +418,7 @@ def accept(draft: Draft, out: Tensor, sampling: Sampling):
     [n] or its logits [n, V]."""
     if sampling.greedy:
         return accept_greedy(draft.tokens.tolist(), out.tolist(), draft.parents.tolist())
-    return accept_sampling(draft.tokens.tolist(), out, draft.child_lists(), sampling, draft.draft_probs,
+    return accept_sampling(draft.tokens.tolist(), out, draft.children, sampling, draft.draft_probs,
                            draft.lookup_from)
 
 
@@ -450,19 +442,17 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
                     draft_probs: Optional[Tensor] = None, lookup_from: Optional[int] = None):
     """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
 
-    Static trees at temperature > 0 draw a node's children without replacement from the head's q =
-    draft_probs[node]; the dynamic tree's nodes (draft_probs None) are the draft's best tokens, i.e.
-    drawn from one-hot q = delta(x). Round j tries the j-th child x_j with proposal q_j (q with the
-    earlier children removed, renormalised) against the current target r (at first r = p): accept x_j
-    with probability min(1, r(x_j) / q_j(x_j)); on rejection r becomes norm(max(0, r - q_j)) (one-hot:
-    r with x_j zeroed, renormalised). If every child is rejected, the bonus token is drawn from the
-    final r. Each round is a speculative-sampling step for target r, whose output law is exactly r for
-    any proposal, so every committed token follows the target distribution p (temperature / top-k /
-    top-p applied as in vanilla sampling). A child whose q_j is 0 (q was cut short by top-k / top-p and
-    is used up) proposes nothing and is skipped. Context nodes (index >= lookup_from) are fixed by the
-    text so far, one-hot proposals too, tried after the head's children. tokens[i] is node i's token,
-    children[i] its children in the order they are tried (node order), logits [n, V] the target's after
-    each node.
+    Round j tries the current node's j-th child x_j with proposal q_j against the current target r (at
+    first r = p): accept with probability min(1, r(x_j) / q_j(x_j)); on rejection r becomes
+    norm(max(0, r - q_j)). q_j is q = draft_probs[node] with the earlier children removed, renormalised
+    (static trees at temperature > 0 draw children without replacement from q), or one-hot delta(x_j),
+    where r - q_j zeroes r(x_j): the dynamic tree's best tokens (draft_probs None) and context nodes
+    (index >= lookup_from, tried after the head's children). If every child is rejected, the bonus token
+    is drawn from the final r. Each round is a speculative-sampling step whose output law is exactly r for
+    any proposal, so every committed token follows the target p (temperature / top-k / top-p as in
+    vanilla sampling). A child with q_j(x_j) = 0 (q cut short by top-k / top-p and used up) is skipped.
+    tokens[i]: node i's token; children[i]: its children in the order tried; logits [n, V]: the target's
+    after each node.
     """
     probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
@@ -508,9 +498,11 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
+    default_model = checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent  # model.pth or a quantized one
+    head_dir = (args.eagle_head or (DEFAULT_HEAD if default_model else None)) if args.eagle else None
+    if args.eagle and head_dir is None:
+        raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
     if args.precision:
-        head_dir = (args.eagle_head or (DEFAULT_HEAD if checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent
-                                        else None)) if args.eagle else None
         precision = fastest_precision(head_dir, args.temperature == 0) if args.precision == "auto" else args.precision
         if precision in ("int8", "int4"):
             args.quantize = precision
@@ -530,10 +522,6 @@ def load(args):
     tokenizer = Tokenizer.load(checkpoint.parent)
     head = None
     if args.eagle:
-        default_model = checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent  # model.pth or a quantized one
-        head_dir = args.eagle_head or (DEFAULT_HEAD if default_model else None)
-        if head_dir is None:
-            raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
         head = load_head(head_dir, device=args.device, dtype=dtype)
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:

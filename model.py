@@ -1,20 +1,16 @@
 """The LLaMA-family decoder (Llama-2/3/3.1, Vicuna, Mistral, SmolLM2, Qwen2) in plain PyTorch.
 
 gpt-fast style: a preallocated static KV cache written at `input_pos`, RoPE precomputed as real
-(cos, sin) tables, attention as one `scaled_dot_product_attention` call under a boolean mask.
+(cos, sin) tables, attention as one `scaled_dot_product_attention` call under a boolean mask. For EAGLE,
+`forward` takes any boolean mask over the cache and explicit rotary positions (a draft tree verified in
+one call: a node sees the prefix and its ancestors), and returns features beside the logits: the
+post-final-norm hidden states (EAGLE's "feature") or, with
+`feature_layers` set (EAGLE-3), the hidden states entering those layers, concatenated.
 
-Two things beyond plain decoding, both needed by EAGLE:
-- `forward` takes an arbitrary boolean mask over the cache and explicit rotary positions, so a draft
-  tree can be verified in one call (a node sees the prefix and its own ancestors only);
-- it returns the post-final-norm hidden states (the EAGLE "feature") beside the logits, or, with
-  `feature_layers` set (EAGLE-3), the hidden states entering the chosen layers, concatenated.
-
-q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original);
+q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original):
 `scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it; GGUF files store it too
-(`save_gguf_checkpoint`; tokenizer.py adds the tokenizer and prepares the default model from its GGUF).
-
-This file imports nothing else of the repository; `load_state` is the one loader every checkpoint
-format (model.pth, quantize.py's files, EAGLE heads) goes through.
+(`save_gguf_checkpoint`). This file imports nothing else of the repository; `load_state` is the one
+loader every checkpoint format (model.pth, quantize.py's files, EAGLE heads) goes through.
 """
 import json
 import math
@@ -71,14 +67,10 @@ class ModelArgs:
             raise CheckpointError(f"unsupported rope_scaling {scaling}; only 'llama3' scaling is implemented")
         n_head = config["num_attention_heads"]
         return cls(
-            dim=config["hidden_size"],
-            n_layer=config["num_hidden_layers"],
-            n_head=n_head,
+            dim=config["hidden_size"], n_layer=config["num_hidden_layers"], n_head=n_head,
             n_local_heads=config.get("num_key_value_heads") or n_head,
-            intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            norm_eps=config.get("rms_norm_eps", 1e-5),
-            rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-5), rope_base=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3" else None,
             tie_embeddings=config.get("tie_word_embeddings", False),
             attention_bias=config.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
@@ -137,8 +129,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.max_seq_len = 0
-        self.max_batch_size = 0
+        self.max_seq_len = self.max_batch_size = 0
         self.quantization: Optional[dict] = None  # quantize.py's metadata when the weights are quantized
         # EAGLE-3's fused features: layer boundaries k (the residual stream entering layer k; k = n_layer:
         # the last layer's output, before the final norm) whose hidden states forward returns,
@@ -181,10 +172,8 @@ class Transformer(nn.Module):
         hidden states, the input of the LM head. With `feature_layers` set, features are instead the
         hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
-        if mask is None:
-            mask = causal_mask(input_pos, self.max_seq_len)
-        if rope_pos is None:
-            rope_pos = input_pos
+        mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
+        rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.tok_embeddings(idx)
         taps = self.feature_layers

@@ -5,28 +5,18 @@
     python quantize.py --mode int4 --device cuda        # the same, packed for CUDA (tinygemm)
     python generate.py --checkpoint .../model_int4.g32.pth --dtype bfloat16 --eagle
 
-One handler class per scheme; each wraps a torchao weight-only configuration:
-- int8: `Int8WeightOnlyConfig` (one scale per output row) -> `Int8Tensor`: plain int8 rows, so one
-  file serves every device. On CPU with bfloat16 activations (the default) its linears then multiply
-  through ATen's int8 kernel (`_weight_int8pack_mm`, see `Int8CPULinear`). torchao's int8 linear
-  converts the whole weight to the activation dtype at every call, which on this CPU made int8 the
-  slowest precision; with the kernel it is the second fastest, after int4, which reads half the bytes.
-- int4: asymmetric, one scale and zero point per `groupsize` inputs of a row, in the tinygemm layout,
-  which differs per device: on CPU torchao 0.18's `PrototypeInt4WeightOnlyConfig` -> `Int4OpaqueTensor`
-  (`aten._weight_int4pack_mm_for_cpu`); on CUDA `Int4WeightOnlyConfig(int4_packing_format=
-  "tile_packed_to_4d")` -> `Int4TilePackedTo4dTensor` (`aten._weight_int4pack_mm`, bfloat16 only).
-  On CPU the linears then make torchao's kernel call themselves (`Int4CPULinear`), which keeps the
-  tensor subclass out of torch.compile's guards.
-A file runs in the activation dtype it was quantized in (the int4 kernels take activations of the
-scales' dtype; the float parts are stored in it). Device type, dtype and group size are recorded in
-the file and checked on load.
+One handler class per scheme, each wrapping a torchao weight-only configuration: int8
+(`Int8WeightOnlyConfig`, one scale per output row: one file for any device) and int4 (a scale and zero
+point per `groupsize` inputs in the tinygemm layout of one device type: `PrototypeInt4WeightOnlyConfig`
+on CPU, `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")` on CUDA, bfloat16 only). On CPU
+the linears then call ATen's kernels themselves, on plain buffers (`Int8CPULinear`, `Int4CPULinear`;
+why, and the accuracy of each scheme: docs/quantization.md). A file runs in the activation dtype it was
+quantized in; its device type, dtype and group size are recorded in it and checked on load.
 
 Every nn.Linear of the decoder is quantized; the token embedding and, unless --quantize_lm_head, the LM
-head stay in float (on the default model an int4 LM head drops top-1 agreement from 96.7% to 84.9%).
-With tied embeddings a quantized LM head is a copy of the shared matrix, so the embedding lookup is
-untouched. An EAGLE head on an int4 target is quantized the same way when it is loaded (its linears and
-its rows of the LM head): on this CPU an int4 draft step costs about half a bf16 one, and bf16 costs
-several times more for a few rows at once. On an int8 target the head stays in float.
+head stay in float (a quantized LM head of tied embeddings is a copy of the shared matrix). An EAGLE head
+on an int4 target is quantized the same way as it loads (its linears and its rows of the LM head); on an
+int8 target it stays in float.
 
 File layout: {"quantization": {mode, groupsize, device ("cpu" / "cuda" / "any"), dtype, lm_head,
 torchao version}, "state_dict": the model's state dict}. `dequantized` turns any of these weights back
@@ -37,7 +27,6 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -74,15 +63,9 @@ class QuantizeError(ValueError):
     """A model or a request that this scheme cannot quantize; the message says what to do."""
 
 
-@dataclass
 class Int8WeightOnly:
     """int8 weights, one scale per output row; the layout serves any device."""
-    mode = "int8"
-    groupsize = None
-
-    @property
-    def file_name(self) -> str:
-        return "model_int8.pth"
+    mode, groupsize, file_name = "int8", None, "model_int8.pth"
 
     def config(self, device_type: str):
         return Int8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False)
@@ -97,19 +80,14 @@ class Int8WeightOnly:
         return isinstance(weight, Int8Tensor)
 
 
-@dataclass
 class Int4WeightOnly:
     """int4 weights, a scale and zero point per `groupsize` inputs; tinygemm layout of one device type."""
-    groupsize: int = 32
     mode = "int4"
 
-    def __post_init__(self):
-        if self.groupsize not in (32, 64, 128):
-            raise QuantizeError(f"--groupsize must be 32, 64 or 128, got {self.groupsize}")
-
-    @property
-    def file_name(self) -> str:
-        return f"model_int4.g{self.groupsize}.pth"
+    def __init__(self, groupsize: int = 32):
+        if groupsize not in (32, 64, 128):
+            raise QuantizeError(f"--groupsize must be 32, 64 or 128, got {groupsize}")
+        self.groupsize, self.file_name = groupsize, f"model_int4.g{groupsize}.pth"
 
     def config(self, device_type: str):
         if device_type == "cuda":
@@ -162,11 +140,8 @@ class Int8CPULinear(CPUKernelLinear):
 
 
 class Int4CPULinear(CPUKernelLinear):
-    """torchao's Int4OpaqueTensor weight through the kernel call torchao makes itself
-    (`_weight_int4pack_mm_for_cpu`), on the packed weight and its scales and zero points. Same numbers;
-    what changes is torch.compile's guards: it checks a tensor subclass's metadata in Python at every
-    call of a compiled step, a plain tensor in C++ (guard evaluation of the default model's int4
-    decode: 3.6 ms with the subclass, 1.7 ms without; results/2026-11-30-int4-guards)."""
+    """torchao's Int4OpaqueTensor weight through the kernel call torchao makes itself, on plain tensors:
+    the same numbers, with torch.compile's guards checked in C++, not in Python per tensor subclass."""
 
     @classmethod
     def convert(cls, linear: nn.Linear):
@@ -196,13 +171,11 @@ def use_cpu_kernels(model: nn.Module):
 
 
 def handler_for(mode: str, groupsize: Optional[int] = None):
-    if mode == "int8":
-        if groupsize is not None:
-            raise QuantizeError("int8 uses one scale per output row; --groupsize applies to int4 only")
-        return Int8WeightOnly()
-    if mode == "int4":
-        return Int4WeightOnly(32 if groupsize is None else groupsize)
-    raise QuantizeError(f"unknown quantization mode {mode!r}; use int8 or int4")
+    if mode not in ("int8", "int4"):
+        raise QuantizeError(f"unknown quantization mode {mode!r}; use int8 or int4")
+    if mode == "int8" and groupsize is not None:
+        raise QuantizeError("int8 uses one scale per output row; --groupsize applies to int4 only")
+    return Int8WeightOnly() if mode == "int8" else Int4WeightOnly(32 if groupsize is None else groupsize)
 
 
 def linears_to_quantize(model: Transformer, quantize_lm_head: bool) -> dict:

@@ -1,22 +1,15 @@
 """Draft trees: their buffers, the tree attention mask, and the draft (step 1 of the EAGLE cycle).
 
-A static tree is a list of paths; a path lists child ranks from the root: [0, 1] is the second-best
-draft child of the best draft child of the root. Node 0 is the root (the last committed token); the
-other nodes are ordered by depth, so each draft level is a contiguous range of nodes.
-
-Buffers of a static tree (`Tree`, all static in shape):
-- tree_mask [n, n] bool: node i sees node j iff j is an ancestor of i or i itself;
-- depths [n]: 0 for the root; the rotary position of node i is prefix_len + depths[i];
-- parents [n] (root: 0), ranks [n] (child rank among its siblings), children (lists, in node order);
-- levels: for each depth d >= 1, the node range of that depth and, per node, its parent's index
-  within level d - 1 (the draft runs one head forward per level).
+A static tree (`Tree`, EAGLE-1) is a list of paths; a path lists child ranks from the root: [0, 1] is
+the second-best draft child of the best draft child of the root. Node 0 is the root (the last committed
+token); the other nodes are ordered by depth, so each draft level is a contiguous range of nodes.
 EAGLE-2's dynamic tree (`DynamicTree`) picks its nodes per cycle from the draft's scores, with a fixed
-node count so the verify shape stays static; `ancestor_mask` gives its tree mask and depths.
+node count so the verify shape stays static.
 
-Both kinds answer the same calls: num_nodes, max_depth, max_rank, draft_slots (head cache slots a
-draft writes past the prefix), to(device), and draft(session, root_token, root, sampling) -> Draft,
-the nodes to verify. `tree_attention_mask` is the one mask builder for the target (verify) and the head
-(draft steps): a node sees the committed prefix and its ancestors.
+Both kinds answer the same calls: num_nodes, max_depth, max_rank, draft_steps, draft_slots (head cache
+slots a draft writes past the prefix), to(device), and draft(session, root_token, root, sampling) ->
+Draft, the nodes to verify. `tree_attention_mask` is the one mask builder for the target (verify) and
+the head (draft steps): a node sees the committed prefix and its ancestors.
 
 A static tree may also hold a context branch ("paper+lookup-3"): a chain of `lookup` nodes from the root,
 after the head's nodes, whose tokens are copied from the text so far (ContextLookup, prompt lookup
@@ -92,13 +85,10 @@ class Draft:
     parents: Tensor  # [n] (root: 0)
     depths: Tensor  # [n]: rotary position prefix_len + depth
     tree_mask: Tensor  # [n, n]: ancestors and self
+    children: list  # children[i]: node i's children in node order
     draft_probs: Optional[Tensor] = None  # [n, vocab]: the law each node's children were drawn from (None: the
     # children are the draft's best tokens, one-hot proposals)
-    children: Optional[list] = None  # children[i]: node i's children in node order (None: from parents)
     lookup_from: Optional[int] = None  # nodes from this index on are context proposals (one-hot)
-
-    def child_lists(self) -> list:
-        return self.children if self.children is not None else children_of(self.parents.tolist())
 
 
 def children_of(parents: list) -> list:
@@ -119,37 +109,21 @@ def tree_attention_mask(base: int, tree_mask: Tensor, slots: int) -> Tensor:
 
 @dataclass
 class Tree:
+    """A static tree's buffers (build_tree), all static in shape."""
     paths: list
-    tree_mask: Tensor
-    depths: Tensor
-    parents: Tensor
-    ranks: Tensor
-    levels: list  # per depth d >= 1: (first node, last node + 1, parent index within level d - 1)
+    tree_mask: Tensor  # [n, n] bool: node i sees node j iff j is an ancestor of i or i itself
+    depths: Tensor  # [n]: 0 for the root; node i's rotary position is prefix_len + depths[i]
+    parents: Tensor  # [n] (root: 0)
+    ranks: Tensor  # [n]: child rank among siblings
+    levels: list  # per depth d >= 1: (first node, last node + 1, parent index within level d - 1); one head forward each
     children: list  # children[i]: node indices of i's children, in rank order
     lookup: int = 0  # context nodes: a chain from the root after the head's nodes
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self.depths)
-
-    @property
-    def max_depth(self) -> int:
-        """The longest path a cycle can accept."""
-        return max(len(self.levels), self.lookup)
-
-    @property
-    def draft_steps(self) -> int:
-        """Head forwards a draft runs (the root's children come from the previous cycle's update)."""
-        return len(self.levels) - 1
-
-    @property
-    def max_rank(self) -> int:
-        return int(self.ranks.max())
-
-    @property
-    def draft_slots(self) -> int:
-        """Head cache slots past the prefix that one draft writes: one per head node."""
-        return len(self.paths)
+    def __post_init__(self):  # what both tree kinds answer (module docstring)
+        self.num_nodes, self.max_rank = len(self.depths), int(self.ranks.max())
+        self.max_depth = max(len(self.levels), self.lookup)  # the longest path a cycle can accept
+        self.draft_steps = len(self.levels) - 1  # head forwards (the root's children come from the last update)
+        self.draft_slots = len(self.paths)  # head cache slots past the prefix a draft writes: one per head node
 
     def to(self, device):
         for name in ("tree_mask", "depths", "parents", "ranks"):
@@ -158,15 +132,13 @@ class Tree:
         return self
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes (the context branch:
-        session.context's proposal, no forward), through the session's steps, model (the target), head and
-        window; root: the head's prediction after the root's own pair
-        (generate.HeadPrediction). Greedy: a node of rank r is its parent's r-th most likely draft token.
-        Sampling: a node's children are draws without replacement from the head's q (its logits through the
-        target's temperature / top-k / top-p), rank r = the r-th draw, kept in draft_probs; accepted with
-        min(1, p/q), about sum_x min(p(x), q(x)), where the argmax would be with p(argmax q) only.
-        Head scratch slot of node j: base + j - 1; rotary position of depth d: base + d - 1 (base =
-        session.target_len, the root's slot)."""
+        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes, through the session's
+        steps, model (the target), head and window (the context branch: session.context's proposal, no
+        forward); root: the head's prediction after the root's own pair (generate.HeadPrediction). Greedy:
+        a node of rank r is its parent's r-th most likely draft token. Sampling: the r-th of draws without
+        replacement from the head's q (its logits through the target's temperature / top-k / top-p), kept
+        in draft_probs (accepted with about sum_x min(p(x), q(x)); the argmax only with p(argmax q)).
+        Head scratch slot of node j: base + j - 1; rotary position of depth d: base + d - 1 (base: the root's slot)."""
         steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
         device, k = root.hidden.device, self.max_rank + 1
         tokens = torch.empty(self.num_nodes, dtype=torch.long, device=device)
@@ -196,7 +168,7 @@ class Tree:
                                  torch.full((end - first,), base + depth - 1, device=device),
                                  window.mark(head_mask[first - 1:end - 1]), k)
             parent_first = first
-        return Draft(tokens, self.parents, self.depths, self.tree_mask, draft_probs, self.children,
+        return Draft(tokens, self.parents, self.depths, self.tree_mask, self.children, draft_probs,
                      n_head if self.lookup else None)
 
 
@@ -239,27 +211,8 @@ class DynamicTree:
         if min(self.top_k, self.depth, self.total_tokens) < 1 or self.total_tokens > pool:
             raise ValueError(f"dynamic tree needs top_k, depth, total_tokens >= 1 and total_tokens <= "
                              f"{pool} (the nodes {self.depth} levels of top-{self.top_k} expansion produce)")
-
-    @property
-    def num_nodes(self) -> int:
-        return self.total_tokens + 1
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_rank(self) -> int:
-        return self.top_k - 1
-
-    @property
-    def draft_steps(self) -> int:
-        return self.depth - 1
-
-    @property
-    def draft_slots(self) -> int:
-        """Head cache slots past the prefix that one draft writes: top_k per expanded level."""
-        return (self.depth - 1) * self.top_k
+        self.num_nodes, self.max_depth, self.max_rank = self.total_tokens + 1, self.depth, self.top_k - 1
+        self.draft_steps, self.draft_slots = self.depth - 1, (self.depth - 1) * self.top_k  # top_k per expanded level
 
     def to(self, device):
         return self  # nothing static to move
@@ -270,34 +223,31 @@ class DynamicTree:
         of depth d use head scratch slots base + (d-1)*top_k + i (base = session.target_len)."""
         steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
         device, K = root.hidden.device, self.top_k
-        # candidate pool, in creation order: token, cumulative log-prob, parent (pool index, -1 = root), depth
-        pool_tokens, pool_scores = [root.top_tokens[0, 0]], [root.top_logp[0, 0]]
-        pool_parents = [torch.full((K,), -1, device=device)]
-        pool_depths = [torch.ones(K, dtype=torch.long, device=device)]
+        # the candidate pool in creation order, chunked: (tokens, cumulative log-probs, parents: pool index
+        # (-1: the root), depths)
+        pool = [(root.top_tokens[0, 0], root.top_logp[0, 0], torch.full((K,), -1, device=device),
+                 torch.ones(K, dtype=torch.long, device=device))]
         frontier = torch.arange(K, device=device)  # pool indices of the frontier
         frontier_hidden = root.hidden.expand(1, K, -1)  # features their head inputs pair with
         frontier_slots = torch.zeros(K, self.draft_slots, dtype=torch.bool, device=device)  # scratch ancestors
         root_tokens = torch.tensor([root_token], device=device)
         for depth in range(1, self.depth):
-            tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
+            tokens, scores, pool_parents, _ = (torch.cat(chunks) for chunks in zip(*pool))
             own = torch.arange((depth - 1) * K, depth * K, device=device)
             frontier_slots[torch.arange(K, device=device), own] = True
-            parent_tokens = torch.cat([root_tokens, tokens])[torch.cat(pool_parents)[frontier] + 1]
+            parent_tokens = torch.cat([root_tokens, tokens])[pool_parents[frontier] + 1]
             pred = steps.draft(target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1),
                                frontier_hidden, base + own, torch.full((K,), base + depth - 1, device=device),
                                window.tree(base, frontier_slots, head.max_seq_len), K)
             child_scores = (scores[frontier, None] + pred.top_logp[0]).flatten()  # [K*K]
             start = tokens.numel()
-            pool_tokens.append(pred.top_tokens[0].flatten())
-            pool_scores.append(child_scores)
-            pool_parents.append(frontier.repeat_interleave(K))
-            pool_depths.append(torch.full((K * K,), depth + 1, device=device))
+            pool.append((pred.top_tokens[0].flatten(), child_scores, frontier.repeat_interleave(K),
+                         torch.full((K * K,), depth + 1, device=device)))
             best = child_scores.topk(K).indices
             frontier_slots = frontier_slots[best // K]
             frontier_hidden = pred.hidden[:, best // K]
             frontier = start + best
-        tokens, scores = torch.cat(pool_tokens), torch.cat(pool_scores)
-        pool_parents, depths = torch.cat(pool_parents), torch.cat(pool_depths)
+        tokens, scores, pool_parents, depths = (torch.cat(chunks) for chunks in zip(*pool))
         # best nodes by score; on equal score the shallower first, so a node's parent is always kept
         order = torch.sort(depths, stable=True).indices
         order = order[torch.sort(scores[order], descending=True, stable=True).indices]
@@ -307,7 +257,7 @@ class DynamicTree:
         index_of[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
         parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), index_of[pool_parents[keep] + 1]])
         tree_mask, node_depths = ancestor_mask(parents, self.depth)
-        return Draft(torch.cat([root_tokens, tokens[keep]]), parents, node_depths, tree_mask)
+        return Draft(torch.cat([root_tokens, tokens[keep]]), parents, node_depths, tree_mask, children_of(parents.tolist()))
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):
@@ -424,13 +374,8 @@ def greedy_order(p, max_nodes: int, max_depth: int) -> list:
     return order
 
 
-def interpolate(points: dict, x: float) -> float:
-    """Piecewise-linear through {rows: ms} (keys int or str), extended linearly past the last two points."""
-    return along(sorted((int(k), v) for k, v in points.items()), x)
-
-
 def along(xs: list, x: float) -> float:
-    """interpolate over its points as (rows, ms) pairs sorted by rows."""
+    """Piecewise-linear through the (rows, ms) points xs, sorted by rows, extended linearly past the last two."""
     if x <= xs[0][0]:
         return xs[0][1]
     for (x0, y0), (x1, y1) in zip(xs, xs[1:]):
@@ -501,13 +446,6 @@ def context_gain(at_least: list, joint, n: int) -> float:
         if sum(row):  # given A = a, the branch adds its depths d = a + 1..n it reaches: E[min(B, n) - a]+
             gain += (at_least[a] - at_least[a + 1]) * sum(sum(row[d:]) for d in range(a + 1, n + 1)) / sum(row)
     return gain
-
-
-def lookup_tau(paths, p, joint) -> list:
-    """Expected tokens per cycle of the tree `paths` with a context branch of 0, 1, 2, ... nodes (one
-    entry per branch length, up to the longest match joint counts), all scored on one joint (context_gain)."""
-    at_least = reach(paths, p)
-    return [1.0 + sum(at_least[1:]) + context_gain(at_least, joint, n) for n in range(len(joint[0]))]
 
 
 def branch_taus(paths, p, lookup_joints=None) -> list:

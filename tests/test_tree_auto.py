@@ -7,7 +7,7 @@ import random
 import pytest
 
 import tree
-from tree import CycleCosts, accepted_depth, auto_tree, build_tree, greedy_order, interpolate, tree_tau
+from tree import CycleCosts, accepted_depth, along, auto_tree, build_tree, greedy_order, tree_tau
 
 
 def forests(k: int):
@@ -119,15 +119,15 @@ def test_tau_matches_monte_carlo_acceptance():
     assert abs(mean - tau) < 4 * se
 
 
-def test_accepted_depth_and_interpolate():
+def test_accepted_depth_and_along():
     nodes = {(0,), (1,), (0, 0), (0, 1), (0, 0, 0)}
     assert accepted_depth(nodes, [0, 0, 0, 0]) == 3
     assert accepted_depth(nodes, [0, 1, 0]) == 2
     assert accepted_depth(nodes, [1, 0]) == 1
     assert accepted_depth(nodes, [2, 0]) == 0
-    points = {"1": 10.0, "2": 11.0, "4": 15.0}
-    assert interpolate(points, 1) == 10.0 and interpolate(points, 3) == 13.0 and interpolate(points, 6) == 19.0
-    assert interpolate(points, 0) == 10.0
+    points = [(1, 10.0), (2, 11.0), (4, 15.0)]
+    assert along(points, 1) == 10.0 and along(points, 3) == 13.0 and along(points, 6) == 19.0
+    assert along(points, 0) == 10.0
 
 
 def test_cycle_cost_counts_levels_and_moves():
@@ -215,7 +215,7 @@ def test_a_margin_prefers_the_smaller_of_nearly_equal_trees():
 
 # ---------------------------------------------------------------- the context branch
 def chain_model(pairs, depth):
-    """The positional model (p) and the joint counts (tree.lookup_tau) of positions given as (a, b):
+    """The positional model (p) and the joint counts (tree.context_gain) of positions given as (a, b):
     the head's chain accepted a tokens, a context proposal matched b."""
     joint = [[0] * 9 for _ in range(depth + 1)]
     for a, b in pairs:
@@ -224,7 +224,7 @@ def chain_model(pairs, depth):
     return [[reached[d + 1] / reached[d] if reached[d] else 0.0] for d in range(depth)], joint
 
 
-def test_lookup_tau_of_a_chain_is_the_mean_longer_match():
+def test_branch_taus_of_a_chain_are_the_mean_longer_match():
     """For a chain, A = min(head chain, k) exactly, so the predicted tau with a context branch of L nodes
     is the mean over positions of 1 + max(min(a, k), min(b, L)); with L = 0 it is tree_tau."""
     rng = random.Random(1)
@@ -233,7 +233,7 @@ def test_lookup_tau_of_a_chain_is_the_mean_longer_match():
     pairs += [(a, min(8, a + 2)) for a, _ in pairs[:300]]  # correlated: context long where the head is
     p, joint = chain_model(pairs, 6)
     for k in (1, 2, 4):
-        taus = tree.lookup_tau(tree.chain(k), p, joint)
+        taus = tree.branch_taus(tree.chain(k), p, [joint] * 8)
         assert taus[0] == pytest.approx(tree_tau(tree.chain(k), p))
         for lookup in range(9):
             mean = sum(1 + max(min(a, k), min(b, lookup)) for a, b in pairs) / len(pairs)
@@ -246,7 +246,8 @@ def test_each_branch_length_is_scored_on_its_own_joint():
     p, short = chain_model(pairs_short, 2)
     _, long = chain_model(pairs_long, 2)
     taus = tree.branch_taus(tree.chain(1), p, [short, long])
-    assert taus == pytest.approx([1.5, tree.lookup_tau(tree.chain(1), p, short)[1], tree.lookup_tau(tree.chain(1), p, long)[2]])
+    assert taus == pytest.approx([1.5, tree.branch_taus(tree.chain(1), p, [short])[1],
+                                  tree.branch_taus(tree.chain(1), p, [long, long])[2]])
     assert taus[1] == pytest.approx(2.0) and taus[2] == pytest.approx(3.0)
     assert tree.predict("chain-1+lookup-2", p, None, [short, long]) == (pytest.approx(3.0), None)
 
