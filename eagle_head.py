@@ -1,10 +1,9 @@
 """The EAGLE-1 draft head ("Autoregression Head") and its official checkpoint format.
 
 At draft position i the head reads the target's feature f_i (post-final-norm hidden state) and the
-embedding of the token *after* it, t_{i+1}:  x_i = fc(concat(embed(t_{i+1}), f_i)).
-One LLaMA decoder layer without input RMSNorm and without final norm turns x_i into a prediction
-of f_{i+1}; the target's LM head maps it to the draft distribution of t_{i+2}.
-The target's embedding and LM head are reused (frozen); only `fc` and the layer are trained.
+embedding of the token *after* it, t_{i+1}: x_i = fc(concat(embed(t_{i+1}), f_i)). One LLaMA decoder
+layer without input RMSNorm and final norm turns x_i into a prediction of f_{i+1}; the target's LM head
+(reused and frozen, as its embedding) maps it to the draft distribution of t_{i+2}.
 
 Draft vocabulary (optional, as EAGLE-3 does): a head may draft from only the most frequent tokens
 (`draft_vocab.json`, a list of token ids), multiplying by those rows of the LM head only: on a CPU a
@@ -15,11 +14,10 @@ pairs f_i with its own token t_i (callers pick the token with `pair_tokens`); "f
 the other half of the input.
 
 Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang and vLLM also read:
-config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys
-fc.weight, fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight,
-layers.0.post_attention_layernorm.weight, layers.0.mlp.{gate,up,down}_proj.weight
-(embed_tokens.weight, when present, is ignored). q/k rows there are in HF's half-split rotary
-layout; they are permuted to model.py's interleaved-pair layout on load and back on save.
+config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys fc.weight,
+fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight,
+layers.0.mlp.{gate,up,down}_proj.weight (embed_tokens.weight, when present, is ignored). q/k rows are in
+HF's half-split rotary layout, permuted to model.py's interleaved pairs on load and back on save.
 """
 import json
 from dataclasses import asdict

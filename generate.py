@@ -8,10 +8,10 @@ EAGLE cycle (one target forward per cycle; Session._eagle_cycles runs these four
   draft   the head grows a tree from the last committed token, one head forward per tree level
           (tree.py: Tree.draft, EAGLE-1's static tree; DynamicTree.draft, EAGLE-2's) -> a Draft;
   verify  the target runs once over the whole tree under a tree attention mask (verify);
-  accept  the longest path the target agrees with (greedy) or that survives the lossless
-          sampling rule, plus one bonus token from the target (accept: accept_greedy, accept_sampling);
-  commit  the accepted path's KV entries move to contiguous cache slots, and the head re-reads the
-          target's true features of the accepted tokens, so draft error never accumulates (Session.commit).
+  accept  the longest path the target agrees with (greedy) or that survives the lossless sampling
+          rule, and a bonus token from the target (accept: accept_greedy, accept_sampling);
+  commit  the accepted path's KV entries move to contiguous cache slots; the head reads the target's
+          true features of the accepted tokens (Session.commit).
 The model steps run eagerly or compiled (Steps); CacheWindow decides how many cache slots they read.
 """
 import argparse
@@ -39,6 +39,9 @@ class UsageError(ValueError):
 
 
 # ---------------------------------------------------------------- sampling
+TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0  # 0: greedy
@@ -50,47 +53,36 @@ class Sampling:
         return self.temperature == 0.0
 
     def probs(self, logits: Tensor) -> Tensor:
-        return logits_to_probs(logits, self)
+        """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
+            top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
+            if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > self.top_p).all()):
+                top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
+            kept = (top.cumsum(-1) - top <= self.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
+            probs = probs.masked_fill(probs < top.gather(-1, kept - 1), 0.0)  # ties at the cut stay
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
 
-    def draw(self, probs: Tensor, k: int = 1) -> Tensor:
-        return draw(probs, k)
-
-
-TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
-
-
-def logits_to_probs(logits: Tensor, s: Sampling) -> Tensor:
-    """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
-    logits = logits.float() / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if s.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
-        top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
-        if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > s.top_p).all()):
-            top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
-        kept = (top.cumsum(-1) - top <= s.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
-        probs = probs.masked_fill(probs < top.gather(-1, kept - 1), 0.0)  # ties at the cut stay
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def draw(probs: Tensor, k: int = 1) -> Tensor:
-    """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw
-    order [..., k]. Inverse-CDF sampling: one uniform number per draw, where torch.multinomial (and the
-    Gumbel trick) draw V exponentials per row, milliseconds on a CPU at V = 49152. Once a row's
-    non-zero entries are used up, its further draws are index V - 1 (with probability 0 left)."""
-    rows = probs.reshape(-1, probs.shape[-1]).double()
-    out = []
-    for j in range(k):
-        cdf = rows.cumsum(-1)
-        u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-        index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
-        out.append(index)
-        if j + 1 < k:
-            rows = rows.scatter(1, index, 0.0)
-    return torch.cat(out, -1).view(*probs.shape[:-1], k)
+    @staticmethod
+    def draw(probs: Tensor, k: int = 1) -> Tensor:
+        """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw order
+        [..., k], by inverse CDF: one uniform number per draw, where torch.multinomial draws V exponentials
+        per row (milliseconds on a CPU at V = 49152). A row's draws past its non-zero entries are V - 1."""
+        rows = probs.reshape(-1, probs.shape[-1]).double()
+        out = []
+        for j in range(k):
+            cdf = rows.cumsum(-1)
+            u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+            index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
+            out.append(index)
+            if j + 1 < k:
+                rows = rows.scatter(1, index, 0.0)
+        return torch.cat(out, -1).view(*probs.shape[:-1], k)
 
 
 def argmax_tokens(logits: Tensor) -> Tensor:
@@ -102,7 +94,7 @@ def sample(logits: Tensor, s: Sampling) -> Tensor:
     """A token id per row of logits [..., vocab]."""
     if s.greedy:
         return argmax_tokens(logits)
-    return draw(logits_to_probs(logits, s))[..., 0]
+    return s.draw(s.probs(logits))[..., 0]
 
 
 # ---------------------------------------------------------------- model steps (eager, or compiled by Steps)
@@ -118,9 +110,8 @@ def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, mask:
 
 
 def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tensor, mask: Tensor, greedy: bool):
-    """Step 2 of the cycle: the target over all tree nodes at slots base.., rotary positions base + depth,
-    under `mask` (tree.tree_attention_mask): the logits after each node [n, V] (with `greedy`, the greedy
-    tokens [n]) and the features [1, n, dim]."""
+    """Step 2: the target over all tree nodes at slots base.., rotary positions base + depths, under `mask`
+    (tree.tree_attention_mask): the logits after each node [n, V] (greedy: tokens [n]), features [1, n, dim]."""
     input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
     logits, features = target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
     return (argmax_tokens(logits[0]) if greedy else logits[0]), features
@@ -135,8 +126,7 @@ class HeadPrediction(NamedTuple):
 
 
 def head_prediction(head: EagleHead, hidden: Tensor, k: int) -> HeadPrediction:
-    """The draft distribution of predicted features and its top k (k = 1: a max, which on this CPU takes
-    about half a topk's time over 16,384 draft logits; results/2026-12-01-cycle-overheads)."""
+    """The draft distribution of predicted features and its top k (k = 1: a max, half a topk's time here)."""
     logits = head.draft_logits(hidden)
     logp = logits.float().log_softmax(-1)
     top_logp, top_index = logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
@@ -159,8 +149,7 @@ def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, featu
 
 class Steps:
     """The model steps a Session runs: the target's prefill, decode and verify; the head's draft, update
-    (head_extend after a commit) and prefill (head_extend on the prompt). Steps() runs them eagerly,
-    Steps.compiled(device) through torch.compile; eager and compiled sessions can share a process."""
+    (after a commit) and prefill (head_extend both). Steps() runs them eagerly, Steps.compiled() compiled."""
 
     def __init__(self, fixed: Optional[Callable] = None, variable: Optional[Callable] = None):
         """fixed, variable: what wraps the fixed-shape steps and the two prefills (None: nothing)."""
@@ -190,10 +179,9 @@ AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATE
 
 @dataclass
 class CacheWindow:
-    """How many KV cache slots a step's attention reads: masks are [queries, slots], and attention reads
-    slots 0..slots-1. live (CPU): only the slots in use, since a step's cost there grows with the slots
-    read, with that count marked dynamic so that one compiled graph serves every length. Otherwise (CUDA):
-    the whole cache, so that every step keeps one static shape for CUDA graphs."""
+    """How many KV cache slots a step's attention reads (masks are [queries, slots]). live (CPU): the slots in
+    use, as a step's cost there grows with them, that count marked dynamic so that one compiled graph serves
+    every length. Otherwise (CUDA): the whole cache, one static shape for CUDA graphs."""
     live: bool
 
     def slots(self, end: int, cache_len: int) -> int:
@@ -204,9 +192,6 @@ class CacheWindow:
         if self.live:
             torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
         return mask
-
-    def causal(self, input_pos: Tensor, end: int, cache_len: int) -> Tensor:
-        return self.mark(causal_mask(input_pos, self.slots(end, cache_len)))
 
     def tree(self, base: int, tree_mask: Tensor, cache_len: int) -> Tensor:
         """tree_attention_mask for nodes at slots base + j, j < tree_mask.shape[1]."""
@@ -227,16 +212,14 @@ class Stats:
 
     @contextmanager
     def phase(self, name: str):
-        """Time the block as one run of phase `name`. Host time: on CUDA a phase's kernels are counted
-        where the host next waits for them."""
+        """Time the block as one run of phase `name` (host time: CUDA kernels count where the host waits)."""
         start = time.perf_counter()
         yield
         self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
         self.phase_n[name] = self.phase_n.get(name, 0) + 1
 
     def phase_ms(self) -> dict:
-        """Mean milliseconds per run of each phase (vanilla: decode, sample; EAGLE: draft, verify,
-        accept, commit = KV moves + the head's update forward, which also drafts the next root)."""
+        """Mean milliseconds per run of each phase (vanilla: decode, sample; EAGLE: the four steps)."""
         return {name: 1000 * t / self.phase_n[name] for name, t in self.phase_s.items()}
 
     @property
@@ -262,8 +245,7 @@ class Session:
 
     def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None):
-        self.model, self.head, self.tree, self.steps = model, head, tree, steps or EAGER
-        self.max_seq_len = max_seq_len
+        self.model, self.head, self.tree, self.steps, self.max_seq_len = model, head, tree, steps or EAGER, max_seq_len
         # room for an unfinished cycle; one slot at least, so a live mask never spans the whole cache
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1
         model.setup_caches(1, max_seq_len + scratch)
@@ -304,8 +286,7 @@ class Session:
         self.head_len = min(self.head_len, self.target_len)
         self.tokens = list(prompt)
         self.context.reset()
-        stats = Stats()
-        start = time.perf_counter()
+        stats, start = Stats(), time.perf_counter()
         token = self._prefill(sampling)
         stats.prefill_s = time.perf_counter() - start
         out: list = []
@@ -340,7 +321,7 @@ class Session:
             yield [token]
             with stats.phase("decode"):
                 pos = torch.tensor([self.target_len], device=self.device)
-                mask = self.window.causal(pos, self.target_len + 1, self.model.max_seq_len)
+                mask = self.window.mark(causal_mask(pos, self.window.slots(self.target_len + 1, self.model.max_seq_len)))
                 out = self.steps.decode(self.model, torch.tensor([[token]], device=self.device), pos, mask,
                                         sampling.greedy)
             stats.target_forwards += 1
@@ -351,8 +332,7 @@ class Session:
 
     # ---------------------------------------------------------------- EAGLE
     def _eagle_cycles(self, token: int, sampling: Sampling, stats: Stats):
-        """The EAGLE cycle, the paper's four steps, one target forward each; yields the tokens each cycle
-        commits (the first yield: the prefill's token, the first root)."""
+        """The EAGLE cycle: yields the tokens each cycle commits (first: the prefill's token, the first root)."""
         yield [token]
         self.tokens.append(token)
         start = self.head_len  # the head catches up on the prompt: pairs (f_i, t_{i+1}), i = head_len..
@@ -379,9 +359,8 @@ class Session:
                 token = new[-1]
 
     def commit(self, path: list, new: list, features: Tensor, stats: Stats) -> HeadPrediction:
-        """Step 4: move the accepted nodes' KV entries to contiguous cache slots after the prefix, and feed
-        the head the target's true features of the accepted tokens (so draft error never accumulates).
-        Returns the head's prediction after the last of them: the next root's draft."""
+        """Step 4: the accepted nodes' KV entries move to contiguous slots after the prefix, and the head reads
+        their true features (draft error never accumulates); returns its prediction for the next root."""
         base, n_acc, pad = self.target_len, len(path), self.tree.max_depth + 1  # the head's update: pad rows
         if path == list(range(n_acc)):  # always on a chain: every entry is in place already
             feats = features[0, :pad]
@@ -399,9 +378,8 @@ class Session:
 
     def _feed_head(self, update: bool, start: int, next_tokens: list, own_tokens: list, features: Tensor,
                    last: int, stats: Stats) -> HeadPrediction:
-        """Feed the head the committed pairs (f_i, t_{i+1}) from position `start` on (features [n, dim];
-        pair_tokens picks the tokens, zero-padded to n), and return its prediction at row `last`. update:
-        the per-cycle update (always max_depth + 1 rows), else the prompt's variable-length catch-up."""
+        """The head's prediction at row `last` after committed pairs (f_i, t_{i+1}) from position `start` on
+        (features [n, dim], tokens zero-padded to n). update: a cycle's (max_depth + 1 rows), else the prompt's."""
         n = features.shape[0]
         paired = self.head.pair_tokens(next_tokens, own_tokens)
         pos = torch.arange(start, start + n, device=self.device)
@@ -414,8 +392,7 @@ class Session:
 
 
 def accept(draft: Draft, out: Tensor, sampling: Sampling):
-    """Step 3: the accepted path (node indices, root first) and the bonus token, from verify's greedy tokens
-    [n] or its logits [n, V]."""
+    """Step 3: the accepted path (node indices, root first) and the bonus token, from verify's output."""
     if sampling.greedy:
         return accept_greedy(draft.tokens.tolist(), out.tolist(), draft.parents.tolist())
     return accept_sampling(draft.tokens.tolist(), out, draft.children, sampling, draft.draft_probs,
@@ -454,7 +431,7 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
     tokens[i]: node i's token; children[i]: its children in the order tried; logits [n, V]: the target's
     after each node.
     """
-    probs = logits_to_probs(logits, sampling).cpu()  # [n, V]
+    probs = sampling.probs(logits).cpu()  # [n, V]
     draft_probs = None if draft_probs is None else draft_probs.cpu()
     path, node = [0], 0
     while True:
@@ -478,7 +455,7 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
                 q = q / q.sum().clamp_min(1e-30)
             r = r / r.sum()
         else:
-            return path, int(draw(r))
+            return path, int(sampling.draw(r))
         path.append(child)
         node = child
 
@@ -518,11 +495,9 @@ def load(args):
         model = quantize.load_quantized(checkpoint, args.device, dtype)
     else:
         model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
-    dtype = model.tok_embeddings.weight.dtype
-    tokenizer = Tokenizer.load(checkpoint.parent)
-    head = None
+    tokenizer, head = Tokenizer.load(checkpoint.parent), None
     if args.eagle:
-        head = load_head(head_dir, device=args.device, dtype=dtype)
+        head = load_head(head_dir, device=args.device, dtype=model.tok_embeddings.weight.dtype)
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)

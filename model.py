@@ -15,7 +15,7 @@ loader every checkpoint format (model.pth, quantize.py's files, EAGLE heads) goe
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -48,11 +48,10 @@ class ModelArgs:
     rope_scaling: Optional[dict] = None  # Llama-3.1 "llama3" scaling
     tie_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
-    head_dim: int = field(default=0)
+    head_dim: int = 0  # 0: dim // n_head
 
     def __post_init__(self):
-        if self.head_dim == 0:
-            self.head_dim = self.dim // self.n_head
+        self.head_dim = self.head_dim or self.dim // self.n_head
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
@@ -140,10 +139,8 @@ class Transformer(nn.Module):
         """(Re)allocate the KV caches and the rotary tables for `max_seq_len` positions."""
         if self.max_seq_len == max_seq_len and self.max_batch_size == max_batch_size:
             return
-        device = self.output.weight.device
-        rope_dtype = self.tok_embeddings.weight.dtype
+        device, rope_dtype, c = self.output.weight.device, self.tok_embeddings.weight.dtype, self.config
         dtype = dtype or cache_dtype(rope_dtype, device)
-        c = self.config
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(device)
@@ -162,11 +159,9 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
-        """Run tokens `idx` [B, T] written to cache slots `input_pos` [T].
-
-        mask: [T, S] bool, True where a query may attend to a cache slot; attention reads slots 0..S-1
-        only, S <= max_seq_len (default: causal over the whole cache).
-        rope_pos: [T] rotary positions (default: input_pos); differs from the slot for tree nodes.
+        """Run tokens `idx` [B, T] written to cache slots `input_pos` [T]. mask: [T, S] bool, True where a
+        query may attend to a cache slot; attention reads slots 0..S-1 only, S <= max_seq_len (default:
+        causal over the whole cache). rope_pos: [T] rotary positions (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
         hidden states, the input of the LM head. With `feature_layers` set, features are instead the
@@ -203,8 +198,7 @@ class Transformer(nn.Module):
             state = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as e:
             raise CheckpointError(f"{checkpoint_path} cannot be read ({type(e).__name__}); convert it again") from None
-        model = cls.from_state(config, state, checkpoint_path)
-        return model.to(device=device, dtype=dtype or torch.float32).eval()
+        return cls.from_state(config, state, checkpoint_path).to(device=device, dtype=dtype or torch.float32).eval()
 
     @classmethod
     def from_state(cls, config: ModelArgs, state: dict, source, tied: Optional[bool] = None,

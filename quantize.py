@@ -160,8 +160,7 @@ def use_cpu_kernels(model: nn.Module):
     path is slower than torchao's) and every weight-only int4 linear through Int4CPULinear; elsewhere
     there is nothing to do."""
     for linear in model.modules():
-        if not isinstance(linear, nn.Linear) or isinstance(linear, CPUKernelLinear) \
-                or linear.weight.device.type != "cpu":
+        if not isinstance(linear, nn.Linear) or isinstance(linear, CPUKernelLinear) or linear.weight.device.type != "cpu":
             continue
         weight = linear.weight
         if isinstance(weight, Int8Tensor) and weight.dtype == torch.bfloat16:
@@ -342,8 +341,8 @@ def main(argv=None):
     metadata = quantize_model(model, handler, quantize_lm_head=args.quantize_lm_head)
     out = args.checkpoint_path.parent / handler.file_name
     save_quantized(model, metadata, out)
-    size_mb = out.stat().st_size / 2**20
-    print(f"wrote {out} ({size_mb:.1f} MiB; {args.checkpoint_path.stat().st_size / 2**20:.1f} MiB before): {metadata}")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; {args.checkpoint_path.stat().st_size / 2**20:.1f} MiB "
+          f"before): {metadata}")
 
 
 if __name__ == "__main__":

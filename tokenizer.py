@@ -111,8 +111,7 @@ class Tokenizer:
         # transformers' LlamaTokenizer adds BOS unless told not to; tokenizer.json models say so themselves.
         self.add_bos_token = config.get("add_bos_token", sp is not None)
         self.has_own_chat_template = chat_template is not None  # else sentencepiece models get Vicuna's
-        if chat_template is None and sp is not None:
-            chat_template = VICUNA_TEMPLATE
+        chat_template = chat_template or (VICUNA_TEMPLATE if sp is not None else None)
         self.chat_template = None if chat_template is None else compile_chat_template(chat_template)
 
     @classmethod
@@ -135,9 +134,8 @@ class Tokenizer:
         else:
             raise TokenizerError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}: "
                                  "fetch them with scripts/download.py (or scripts/convert_gguf.py for a GGUF file)")
-        config = {}
-        if config_path.exists():
-            config = read(config_path, lambda path: json.loads(Path(path).read_text(encoding="utf-8")))
+        config = read(config_path, lambda path: json.loads(Path(path).read_text(encoding="utf-8"))) \
+            if config_path.exists() else {}
         chat_template = config.get("chat_template")
         if template_path.exists():  # takes precedence, as in transformers
             chat_template = template_path.read_text(encoding="utf-8")
@@ -206,10 +204,8 @@ class StreamDecoder:
     so sentencepiece's leading spaces and characters split across byte-level tokens come out as in decode(all)."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.ids = []
-        self.window_start = 0  # decoding starts here
-        self.printed = 0  # ids[:printed] have been returned as text
+        self.tokenizer, self.ids = tokenizer, []
+        self.window_start = self.printed = 0  # decoding starts at window_start; ids[:printed] are returned text
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(int(i) for i in ids)

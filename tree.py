@@ -6,10 +6,9 @@ token); the other nodes are ordered by depth, so each draft level is a contiguou
 EAGLE-2's dynamic tree (`DynamicTree`) picks its nodes per cycle from the draft's scores, with a fixed
 node count so the verify shape stays static.
 
-Both kinds answer the same calls: num_nodes, max_depth, max_rank, draft_steps, draft_slots (head cache
-slots a draft writes past the prefix), to(device), and draft(session, root_token, root, sampling) ->
-Draft, the nodes to verify. `tree_attention_mask` is the one mask builder for the target (verify) and
-the head (draft steps): a node sees the committed prefix and its ancestors.
+Both kinds answer num_nodes, max_depth, max_rank, draft_steps, draft_slots, to(device), and draft(session,
+root_token, root, sampling) -> Draft, the nodes to verify. `tree_attention_mask` is the one mask builder
+for the target (verify) and the head (draft steps): a node sees the committed prefix and its ancestors.
 
 A static tree may also hold a context branch ("paper+lookup-3"): a chain of `lookup` nodes from the root,
 after the head's nodes, whose tokens are copied from the text so far (ContextLookup, prompt lookup
@@ -79,15 +78,13 @@ def parse_paths(spec: str) -> list:
 
 @dataclass
 class Draft:
-    """One cycle's tree of candidate tokens, what verify checks. Node 0 is the root (the last committed
-    token, verified at cache slot prefix_len); parents precede children."""
+    """One cycle's candidate tokens, what verify checks; node 0 is the root, parents precede children."""
     tokens: Tensor  # [n] node tokens
     parents: Tensor  # [n] (root: 0)
     depths: Tensor  # [n]: rotary position prefix_len + depth
     tree_mask: Tensor  # [n, n]: ancestors and self
     children: list  # children[i]: node i's children in node order
-    draft_probs: Optional[Tensor] = None  # [n, vocab]: the law each node's children were drawn from (None: the
-    # children are the draft's best tokens, one-hot proposals)
+    draft_probs: Optional[Tensor] = None  # [n, vocab]: the law node i's children were drawn from (None: one-hot)
     lookup_from: Optional[int] = None  # nodes from this index on are context proposals (one-hot)
 
 
@@ -132,21 +129,20 @@ class Tree:
         return self
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: fill the fixed tree, one head forward per level on all its nodes, through the session's
-        steps, model (the target), head and window (the context branch: session.context's proposal, no
-        forward); root: the head's prediction after the root's own pair (generate.HeadPrediction). Greedy:
-        a node of rank r is its parent's r-th most likely draft token. Sampling: the r-th of draws without
-        replacement from the head's q (its logits through the target's temperature / top-k / top-p), kept
-        in draft_probs (accepted with about sum_x min(p(x), q(x)); the argmax only with p(argmax q)).
-        Head scratch slot of node j: base + j - 1; rotary position of depth d: base + d - 1 (base: the root's slot)."""
+        """EAGLE-1: one head forward per level on all its nodes, through the session's steps, model, head and
+        window (the context branch: session.context's proposal); root: the head's prediction after the root.
+        Greedy: a node of rank r is its parent's r-th most likely draft token. Sampling: the r-th draw without
+        replacement from the head's q (through the target's temperature / top-k / top-p), kept in draft_probs
+        (accepted with about sum_x min(p(x), q(x)), the argmax only with p(argmax q)). Node j's head slot:
+        base + j - 1, depth d's rotary position: base + d - 1 (base: the root's slot)."""
         steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
         device, k = root.hidden.device, self.max_rank + 1
-        tokens = torch.empty(self.num_nodes, dtype=torch.long, device=device)
-        tokens[0] = root_token
-        n_head = len(self.paths) + 1
+        tokens, n_head = torch.full((self.num_nodes,), root_token, dtype=torch.long, device=device), len(self.paths) + 1
         if self.lookup:
             tokens[n_head:] = torch.tensor(session.context.propose(session.tokens, self.lookup), device=device)
-        draft_probs = vocab_ids = head_mask = None
+        draft_probs = vocab_ids = None
+        # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
+        head_mask = window.tree(base, self.tree_mask[1:n_head, 1:n_head], head.max_seq_len) if self.draft_steps else None
         if not sampling.greedy:
             draft_probs = torch.zeros(self.num_nodes, target.config.vocab_size, device=device)
             vocab_ids = head.token_ids(torch.arange(root.logits.shape[-1], device=device))
@@ -156,13 +152,10 @@ class Tree:
                 tokens[first:end] = parent.top_tokens[0, parent_in_level, self.ranks[first:end]]
             else:  # k draws without replacement per parent, in draw order
                 q = sampling.probs(parent.logits[0])  # [parents in level, draft vocab]
-                draws = sampling.draw(q, k)
                 draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
-                tokens[first:end] = vocab_ids[draws[parent_in_level, self.ranks[first:end]]]
+                tokens[first:end] = vocab_ids[sampling.draw(q, k)[parent_in_level, self.ranks[first:end]]]
             if depth == len(self.levels):
                 break
-            if head_mask is None:  # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
-                head_mask = window.tree(base, self.tree_mask[1:n_head, 1:n_head], head.max_seq_len)
             parent = steps.draft(target, head, head.pair_tokens(tokens[first:end], tokens[self.parents[first:end]]).view(1, -1),
                                  parent.hidden[:, parent_in_level], base + torch.arange(first - 1, end - 1, device=device),
                                  torch.full((end - first,), base + depth - 1, device=device),
@@ -218,9 +211,8 @@ class DynamicTree:
         return self  # nothing static to move
 
     def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-2: grow the top_k frontier by cumulative draft log-probability, keep the best total_tokens
-        nodes (its nodes are the draft's best tokens: one-hot proposals at any temperature). Frontier nodes
-        of depth d use head scratch slots base + (d-1)*top_k + i (base = session.target_len)."""
+        """EAGLE-2 (its nodes are the draft's best tokens: one-hot proposals at any temperature). Frontier node
+        i of depth d uses head scratch slot base + (d-1)*top_k + i (base: the root's slot)."""
         steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
         device, K = root.hidden.device, self.top_k
         # the candidate pool in creation order, chunked: (tokens, cumulative log-probs, parents: pool index
@@ -240,13 +232,11 @@ class DynamicTree:
                                frontier_hidden, base + own, torch.full((K,), base + depth - 1, device=device),
                                window.tree(base, frontier_slots, head.max_seq_len), K)
             child_scores = (scores[frontier, None] + pred.top_logp[0]).flatten()  # [K*K]
-            start = tokens.numel()
             pool.append((pred.top_tokens[0].flatten(), child_scores, frontier.repeat_interleave(K),
                          torch.full((K * K,), depth + 1, device=device)))
-            best = child_scores.topk(K).indices
-            frontier_slots = frontier_slots[best // K]
-            frontier_hidden = pred.hidden[:, best // K]
-            frontier = start + best
+            best = child_scores.topk(K).indices  # the next frontier: the best K children (pool index tokens.numel() + best)
+            frontier_slots, frontier_hidden = frontier_slots[best // K], pred.hidden[:, best // K]
+            frontier = tokens.numel() + best
         tokens, scores, pool_parents, depths = (torch.cat(chunks) for chunks in zip(*pool))
         # best nodes by score; on equal score the shallower first, so a node's parent is always kept
         order = torch.sort(depths, stable=True).indices
@@ -261,8 +251,7 @@ class DynamicTree:
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):
-    """tree_mask [n, n] (ancestors and self) and depths [n] from parents [n] (root: its own parent),
-    for nodes ordered so that parents precede children."""
+    """tree_mask [n, n] (ancestors and self) and depths [n] from parents [n] (root: 0; parents first)."""
     n = parents.shape[0]
     mask = torch.eye(n, dtype=torch.bool, device=parents.device)
     ancestor = parents

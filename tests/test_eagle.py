@@ -331,7 +331,7 @@ def accept_sampling_without_residual(node_tokens, logits, children, sampling, dr
     """A broken verifier: like generate.accept_sampling, but a rejection never zeroes and renormalises p,
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
-    probs = generate.logits_to_probs(logits, sampling).cpu()
+    probs = sampling.probs(logits).cpu()
     tokens = list(node_tokens)
     path, node = [0], 0
     while True:
@@ -401,7 +401,7 @@ def verifier_case(vocab_size=8, seed=0):
 def emitted_distribution(node_tokens, logits, children, sampling):
     """Exact law of the tokens one cycle emits (accepted path + bonus): the target's own law, i.e. the
     first token ~ p(root); if it is a child's token, the next ~ p(that child); and so on."""
-    probs = generate.logits_to_probs(logits, sampling).double()
+    probs = sampling.probs(logits).double()
     law = {}
 
     def walk(node, prefix, mass):
@@ -438,14 +438,14 @@ def test_verifier_emits_target_distribution(config):
 
 @pytest.mark.parametrize("candidates", [4, 1024])  # 4: most rows need the full sort
 def test_top_p_keeps_the_nucleus(candidates, monkeypatch):
-    """logits_to_probs keeps token x iff the tokens more probable than x hold at most top_p of the mass
+    """Sampling.probs keeps token x iff the tokens more probable than x hold at most top_p of the mass
     (so ties at the cut stay), whichever path (top candidates or full sort) finds the cut."""
     monkeypatch.setattr(generate, "TOP_P_CANDIDATES", candidates)
     torch.manual_seed(0)
     logits = torch.randn(40, 50) * torch.linspace(0.3, 6, 40)[:, None]
     logits[0, :4] = logits[0].max() + 1  # a four-way tie at the top: a cut inside it keeps all four
     for top_p in (0.1, 0.5, 0.9, 0.99):
-        kept = generate.logits_to_probs(logits, Sampling(1.0, top_p=top_p)) > 0
+        kept = Sampling(1.0, top_p=top_p).probs(logits) > 0
         p = logits.double().softmax(-1)
         above = (p[:, None, :] * (p[:, None, :] > p[:, :, None])).sum(-1)  # [row, x]: mass above p(x)
         clear = (above - top_p).abs() > 1e-5  # away from rounding at the cut
@@ -454,18 +454,18 @@ def test_top_p_keeps_the_nucleus(candidates, monkeypatch):
 
 
 def test_draw_is_sampling_without_replacement():
-    """generate.draw (inverse-CDF) gives ordered pairs with the sequential without-replacement law
+    """Sampling.draw (inverse-CDF) gives ordered pairs with the sequential without-replacement law
     p(a) p(b) / (1 - p(a)), on unnormalised rows; draws with replacement fail the same test."""
     probs = 3 * torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.0, 0.6, 0.3]])
     torch.manual_seed(0)
-    draws = generate.draw(probs.expand(UNIT_DRAWS, 2, 4), 2)  # [draws, rows, k]
+    draws = Sampling.draw(probs.expand(UNIT_DRAWS, 2, 4), 2)  # [draws, rows, k]
     with_replacement = torch.multinomial(probs.repeat(UNIT_DRAWS, 1), 2, replacement=True).view(UNIT_DRAWS, 2, 2)
     for row in range(2):
         p = (probs[row] / probs[row].sum()).double().tolist()
         law = {(a, b): p[a] * p[b] / (1 - p[a]) for a in range(4) for b in range(4) if a != b}
         assert g_test(collections.Counter(map(tuple, draws[:, row].tolist())), law) > P_PASS
         assert g_test(collections.Counter(map(tuple, with_replacement[:, row].tolist())), law) < P_BROKEN
-    used_up = generate.draw(torch.tensor([0.0, 0.7, 0.3, 0.0]), 4)  # two non-zero entries, four draws
+    used_up = Sampling.draw(torch.tensor([0.0, 0.7, 0.3, 0.0]), 4)  # two non-zero entries, four draws
     assert sorted(used_up[:2].tolist()) == [1, 2] and used_up[2:].tolist() == [3, 3]
 
 
@@ -489,10 +489,10 @@ E2E_PROMPT = [1, 5, 2]
 
 def first_tokens_law(model, prompt, sampling, vocab_size=E2E_VOCAB):
     """Exact law of the first three new tokens: full forwards over prompt + every (t1, t2), with the
-    sampling transform vanilla applies (generate.logits_to_probs)."""
+    sampling transform vanilla applies (Sampling.probs)."""
     V = vocab_size
     seqs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])
-    probs = generate.logits_to_probs(causal_logits(model, seqs)[:, -3:], sampling).double()  # [V*V, 3, V]
+    probs = sampling.probs(causal_logits(model, seqs)[:, -3:]).double()  # [V*V, 3, V]
     p1, p2, p3 = probs[0, 0], probs[::V, 1], probs[:, 2].reshape(V, V, V)
     joint = p1[:, None, None] * p2[:, :, None] * p3
     return {(a, b, c): float(joint[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
@@ -543,7 +543,7 @@ def accept_sampled_with_one_hot_residual(node_tokens, logits, children, sampling
     """A broken verifier for sampled chains: it accepts a drawn token with probability min(1, p/q), but
     after a rejection it draws from p with that token zeroed (the one-hot rule's residual) instead of
     norm(max(0, p - q))."""
-    probs = generate.logits_to_probs(logits, sampling).cpu()
+    probs = sampling.probs(logits).cpu()
     tokens, q = list(node_tokens), draft_probs.cpu()
     path = [0]
     for node in range(1, len(tokens)):  # a chain: node i's parent is node i - 1
