@@ -53,14 +53,14 @@ UNITS = {
 # feature -> [(file, first line of the fragment (stripped, must occur once), its line count)]
 FRAGMENTS = {
     "GGUF conversion and the default model, moved in from scripts/ (item 3; 3b58922)": [
-        ('tokenizer.py', 'the whole conversion of a GGUF checkpoint (its weights through model.py) and of the default model."""', 1),
-        ('tokenizer.py', 'from model import DEFAULT_CHECKPOINT, REPO_ROOT, CheckpointError, save_gguf_checkpoint', 1),
+        ("tokenizer.py", "the whole conversion of a GGUF checkpoint (its weights through model.py) and of the default model.\"\"\"", 1),
+        ("tokenizer.py", "from model import DEFAULT_CHECKPOINT, REPO_ROOT, CheckpointError, save_gguf_checkpoint", 1),
         ("model.py", "import os", 1),
         ("model.py", "DEFAULT_CHECKPOINT = REPO_ROOT / \"checkpoints\" / \"HuggingFaceTB\" / \"SmolLM2-135M-Instruct\" / \"model.pth\"", 1),
         ("tokenizer.py", "import importlib.util", 1), ("tokenizer.py", "import sys", 1), ("tokenizer.py", "import time", 1),
     ],
     "EAGLE-3 head and fused features (5065f0b, 9b26679, eba5378)": [
-        ('model.py', '`feature_layers` set (EAGLE-3), the hidden states entering those layers, concatenated.', 1),
+        ("model.py", "`feature_layers` set (EAGLE-3), the hidden states entering those layers, concatenated.", 1),
         ("model.py", "# EAGLE-3's fused features: layer boundaries k (the residual stream entering layer k; k = n_layer:", 4),
         ("model.py", "taps = self.feature_layers", 2),
         ("model.py", "if taps is not None and i in taps:", 2),
@@ -69,18 +69,18 @@ FRAGMENTS = {
         ("generate.py", "# the target's features are what this session's head reads (EAGLE-3: fused layers' states); set per", 3),
     ],
     "tree auto and the cost model (a83bc2e, b394711, 0d52572)": [
-        ('generate.py', 'import json', 1),
-        ('tree.py', 'import platform', 1),
-        ('tree.py', 'from pathlib import Path', 1),
+        ("generate.py", "import json", 1),
+        ("tree.py", "import platform", 1),
+        ("tree.py", "from pathlib import Path", 1),
         ("tree.py", "# ---------------------------------------------------------------- tree auto", 28),  # the comment block
         ("generate.py", "auto = args.tree == \"auto\"", 1),
         ("generate.py", "tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0)) if auto", 2),
         ("generate.py", "p.add_argument(\"--tree\", default=\"auto\", help=\"auto | chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths \"", 1),
     ],
     "context branch (a3975b9, a3fd7a9)": [
-        ('generate.py', 'draft.lookup_from)', 1),
-        ('tree.py', 'one optionally followed by \'+lookup-N\' (a context branch of N nodes). Returns a Tree or a DynamicTree."""', 1),
-        ('generate.py', "head node's token: then two paths match, and the deeper one, either is correct, is taken.)", 1),
+        ("generate.py", "draft.lookup_from)", 1),
+        ("tree.py", "one optionally followed by '+lookup-N' (a context branch of N nodes). Returns a Tree or a DynamicTree.\"\"\"", 1),
+        ("generate.py", "head node's token: then two paths match, and the deeper one, either is correct, is taken.)", 1),
         ("tree.py", "A static tree may also hold a context branch (\"paper+lookup-3\"): a chain of `lookup` nodes from the root,", 3),
         ("tree.py", "spec, lookup = split_lookup(spec)", 1),  # parse_tree: the spec's branch
         ("tree.py", "if lookup:", 2),  # and its refusal with a dynamic tree
@@ -92,7 +92,7 @@ FRAGMENTS = {
         ("generate.py", "if q is None or (lookup_from is not None and child >= lookup_from):", 1),
     ],
     "--precision and --autotune chosen by measurement (d2c863b)": [
-        ('generate.py', 'if compiled else EAGER', 1),
+        ("generate.py", "if compiled else EAGER", 1),
         ("generate.py", "if args.precision:", 6),
         ("generate.py", "p.add_argument(\"--precision\", choices=[\"auto\", \"fp32\", \"bf16\", \"int8\", \"int4\"], help=\"instead of --dtype and \"", 2),
         ("generate.py", "p.add_argument(\"--autotune\", choices=[\"auto\", \"on\", \"off\"], default=\"auto\", help=\"with --compile: inductor's \"", 2),
@@ -100,9 +100,9 @@ FRAGMENTS = {
     ],
     "--quantize from the float model on first use, warm-up report, streaming (0cdaf1f)": [
         ("tokenizer.py", "self.has_own_chat_template = chat_template is not None  # else sentencepiece models get Vicuna's", 1),
-        ('generate.py', 'templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)', 1),
-        ('generate.py', 'if not templated:', 2),
-        ('quantize.py', 'import time', 1),
+        ("generate.py", "templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)", 1),
+        ("generate.py", "if not templated:", 2),
+        ("quantize.py", "import time", 1),
         ("generate.py", "p.add_argument(\"--quantize\", choices=[\"int8\", \"int4\"], help=\"run int8 / int4 weights, quantized from the \"", 2),
         ("generate.py", "if args.quantize:", 4),
         ("generate.py", "p.add_argument(\"--raw\", action=\"store_true\", help=\"plain continuation of --prompt, without the chat template\")", 1),
@@ -111,7 +111,7 @@ FRAGMENTS = {
         ("generate.py", "warm_up(session, tokenizer.encode_chat([{\"role\": \"user\", \"content\": \"Hi\"}]), sampling)", 1),
     ],
     "torchao's import noise filtered (issue 19)": [
-        ('quantize.py', 'import logging', 1),
+        ("quantize.py", "import logging", 1),
         ("quantize.py", "for _logger in (\"torchao\", \"torch.utils._pytree\"):", 2),
     ],
 }
