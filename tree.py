@@ -488,10 +488,11 @@ def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lo
                key=lambda c: len(c.paths) + c.lookup)
 
 
-def instruction_set() -> str:
-    """The widest of amx / avx512_bf16 / avx512 / avx2 this CPU has (from /proc/cpuinfo), else the machine."""
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+def instruction_set(cpuinfo: Optional[str] = None) -> str:
+    """The widest of amx / avx512_bf16 / avx512 / avx2 the CPU has (its flags in cpuinfo, default
+    /proc/cpuinfo), else the machine (aarch64, ...): what the cost curves and the fastest precision depend on."""
+    path = Path("/proc/cpuinfo")
+    text = cpuinfo if cpuinfo is not None else path.read_text() if path.is_file() else ""
     flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
     for name, needs in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
         if needs in flags:

@@ -66,7 +66,7 @@ import quantize  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import parse_tree, predict  # noqa: E402
+from tree import instruction_set, parse_tree, predict  # noqa: E402
 
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
@@ -540,23 +540,14 @@ def method_summary(m: Method, rs: list) -> dict:
 
 
 # ---------------------------------------------------------------- output
-def cpu_isa(cpuinfo: str) -> str:
-    """The widest matmul instruction set the CPU reports: it decides which precision is fastest here
-    (machines with the same model name have differed), so results name it."""
-    m = re.search(r"^flags\s*:(.*)$", cpuinfo, re.MULTILINE)
-    flags = set(m.group(1).split()) if m else set()
-    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
-        if isa in flags:
-            return isa.replace("_", "-")
-    return "unknown"
-
-
 def machine_info(device: str) -> dict:
     cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         m = re.search(r"model name\s*:\s*(.+)", cpuinfo)
-        cpu, isa = (m.group(1).strip() if m else cpu), cpu_isa(cpuinfo)
+        # the widest matmul instruction set decides which precision is fastest (machines with the same
+        # model name have differed), so results name it, as the cost profiles do
+        cpu, isa = (m.group(1).strip() if m else cpu), instruction_set(cpuinfo).replace("_", "-")
     except OSError:
         pass
     info = {"platform": platform.platform(), "processor": cpu, "isa": isa, "cpu_count": os.cpu_count(),

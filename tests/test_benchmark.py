@@ -3,6 +3,7 @@ counts made from the per-run cycle logs, and the eager/compiled step swapping (w
 import importlib.util
 import json
 import math
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -312,11 +313,14 @@ def test_default_out_is_a_new_folder(tmp_path, monkeypatch):
     assert benchmark.default_out(info, quick=True).parent == tmp_path / "results" / "quick"
 
 
-def test_cpu_isa_names_the_widest_matmul_instruction_set():
-    assert benchmark.cpu_isa("model name : X\nflags : fpu avx2 fma avx512f avx512_bf16\n") == "avx512-bf16"
-    assert benchmark.cpu_isa("flags : fpu sse avx2 fma\n") == "avx2"
-    assert benchmark.cpu_isa("processor : 0\n") == "unknown"
-    assert benchmark.cpu_isa("flags : fpu avx2\nvmx flags : avx512f\n") == "avx2"  # the CPU's own flags only
+def test_instruction_set_names_the_widest_matmul_instruction_set():
+    from tree import instruction_set
+
+    assert instruction_set("model name : X\nflags : fpu avx2 fma avx512f avx512_bf16\n") == "avx512_bf16"
+    assert instruction_set("flags : fpu avx2 avx512f amx_tile amx_bf16\n") == "amx"
+    assert instruction_set("flags : fpu sse avx2 fma\n") == "avx2"
+    assert instruction_set("processor : 0\n") == (platform.machine() or "unknown")
+    assert instruction_set("flags : fpu avx2\nvmx flags : avx512f\n") == "avx2"  # the CPU's own flags only
     slug = benchmark.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
     assert slug == "amd-epyc-2cpu-avx2"
 
