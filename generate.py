@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead, load_head
-from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, Transformer, causal_mask
+from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer, causal_mask
 from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, parse_tree,
                   tree_attention_mask)
 
@@ -480,7 +480,8 @@ def load(args):
     if args.eagle and head_dir is None:
         raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
     if args.precision:
-        precision = fastest_precision(head_dir, args.temperature == 0) if args.precision == "auto" else args.precision
+        precision = fastest_precision(ModelArgs.from_checkpoint_dir(checkpoint.parent), head_dir, args.temperature == 0) \
+            if args.precision == "auto" else args.precision
         if precision in ("int8", "int4"):
             args.quantize = precision
         else:  # fp32 / bf16: the dtype of that name
@@ -520,11 +521,27 @@ def precision_of(model: Transformer) -> str:
     return model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
 
 
-def cost_profile() -> tuple:
-    """(path, this machine's cost profile at this thread count, or None where scripts/profile_costs.py has
-    not measured one)."""
+def profile_model(config: ModelArgs) -> str:
+    """The target shape a cost profile holds (its curves depend on it; scripts/profile_costs.py writes it)."""
+    c = config
+    return f"dim{c.dim}-layers{c.n_layer}-heads{c.n_head}/{c.n_local_heads}-ffn{c.intermediate_size}-vocab{c.vocab_size}"
+
+
+def cost_profile(config: ModelArgs) -> tuple:
+    """(path, this machine's cost profile at this thread count for a target of config's shape, or None, and
+    the shape the profile there holds when it is another model's, else None)."""
     path = cost_profile_path(torch.get_num_threads())
-    return path, json.loads(path.read_text()) if path.is_file() else None
+    profile = json.loads(path.read_text()) if path.is_file() else None
+    other = profile.get("model") if profile and profile.get("model") != profile_model(config) else None
+    return path, None if other else profile, other
+
+
+def profile_hint(other: Optional[str]) -> str:
+    """The command that measures a missing profile (for another model than the one measured: with --checkpoint)."""
+    threads = torch.get_num_threads()
+    return (f"python scripts/profile_costs.py --threads {threads} measures one" if other is None else
+            f"the one there is of another model ({other}); python scripts/profile_costs.py --threads {threads} "
+            "--checkpoint DIR --eagle_head DIR measures this one")
 
 
 def cycle_models(head_dir: Path, model: Transformer, device: str):
@@ -532,26 +549,24 @@ def cycle_models(head_dir: Path, model: Transformer, device: str):
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict), or (None, why not: one line)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
-    profile = cost_profile()[1]
+    _, profile, other = cost_profile(model.config)
     costs = profile if device == "cpu" and profile else {"precisions": {}}
     if not acceptance.is_file():
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it")
     if precision not in costs["precisions"]:
-        return None, (f"no cost profile of this machine for {precision} at {threads} threads: python "
-                      f"scripts/profile_costs.py --threads {threads} measures one")
+        return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}"
     return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text())
 
 
-def fastest_precision(head_dir: Optional[Path], greedy: bool = True) -> str:
+def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True) -> str:
     """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
     vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
     there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for)."""
-    profile = cost_profile()[1]
+    _, profile, other = cost_profile(config)
     if profile is None:
-        threads = torch.get_num_threads()
-        raise UsageError(f"--precision auto needs this machine's cost profile at {threads} threads: "
-                         f"python scripts/profile_costs.py --threads {threads} measures one")
+        raise UsageError(f"--precision auto needs this machine's cost profile at {torch.get_num_threads()} "
+                         f"threads of this model: {profile_hint(other)}")
     acceptance = head_dir and head_dir / "acceptance.json"
     acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
     speeds = {}
@@ -587,7 +602,7 @@ def autotune_options(choice: str, model: Transformer, device: str) -> dict:
     """torch.compile options for --autotune on / off / auto: auto takes AUTOTUNE_OPTIONS where this
     machine's cost profile (scripts/profile_costs.py --autotune) measured them faster at this precision."""
     if choice == "auto":
-        path, profile = cost_profile()
+        path, profile, _ = cost_profile(model.config)
         measured = profile.get("autotune", {}) if device == "cpu" and profile else {}
         choice = "on" if measured.get(precision_of(model), {}).get("faster") else "off"
         if choice == "on":

@@ -25,7 +25,10 @@ cycle / of a vanilla step beyond these forwards) are arguments, from generate.py
 this machine's, see main).
 
 The JSON is keyed by instruction set (amx / avx512_bf16 / avx512 / avx2, from /proc/cpuinfo), thread
-count and torch version, the things the curves depend on; tree.CycleCosts.from_profile reads it.
+count and torch version, the things the curves depend on, and holds the target's shape ("model",
+generate.profile_model): generate.py uses a profile only for a target of that shape. --checkpoint and
+--eagle_head measure another model (its model.pth / quantized files, an EAGLE-1 head for it); the latest
+profile of a machine key is the one kept. tree.CycleCosts.from_profile reads it.
 """
 import argparse
 import json
@@ -44,8 +47,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
-from model import Transformer, causal_mask  # noqa: E402
-from generate import AUTOTUNE_OPTIONS  # noqa: E402
+from model import CheckpointError, Transformer, causal_mask  # noqa: E402
+from generate import AUTOTUNE_OPTIONS, profile_model  # noqa: E402
 from tree import cost_profile_path, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -117,16 +120,16 @@ def dynamic(*marks):
 class Pieces:
     """One precision's target and head with PREFIX tokens cached, and a callable per piece and row count."""
 
-    def __init__(self, precision: str, mode: str):
+    def __init__(self, precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR):
         name, dtype = PRECISIONS[precision]
-        self.checkpoint = CHECKPOINT_DIR / name
+        self.checkpoint = checkpoint_dir / name
         if dtype is None:  # quantize.py's files
             from quantize import load_quantized
             self.model = load_quantized(self.checkpoint)
         else:
             self.model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
         dtype = self.model.tok_embeddings.weight.dtype
-        self.head = EagleHead.load(HEAD_DIR, dtype=dtype)
+        self.head = EagleHead.load(head_dir, dtype=dtype)
         if getattr(self.model, "quantization", None) is not None:
             from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
             quantize_head_like(self.head, self.model)
@@ -165,6 +168,12 @@ class Pieces:
         caches = self.model.kv_caches()  # move: as Session's commit, eager
         src, dst = pos + rows, pos
         return lambda: [c.move(src, dst) for c in caches]
+
+
+def shown(path: Path) -> str:
+    """A path as the profile records it: relative to the repository where it is inside."""
+    path = path.resolve()
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
 
 
 def median_ms(times: list) -> float:
@@ -216,6 +225,9 @@ def plot(profile: dict, path: Path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="JSON path (default ~/.cache/eagle-fast/costs-<isa>-t<threads>-torch<v>.json)")
+    p.add_argument("--checkpoint", type=Path, default=CHECKPOINT_DIR,
+                   help="the target's directory (model.pth, quantize.py's files; default: SmolLM2-135M-Instruct)")
+    p.add_argument("--eagle_head", type=Path, default=HEAD_DIR, help="an EAGLE-1 head for it (default: the shipped one)")
     p.add_argument("--plot", type=Path, help="also write a plot of the curves here (PNG)")
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     p.add_argument("--mode", choices=["dynamic", "eager"], default="dynamic",
@@ -238,10 +250,12 @@ def main(argv=None):
     start, load_before = time.perf_counter(), os.getloadavg()
     pieces, compile_s = {}, {}
     for precision in args.precisions:
-        if not (CHECKPOINT_DIR / PRECISIONS[precision][0]).is_file():
+        if not (args.checkpoint / PRECISIONS[precision][0]).is_file():
             print(f"{precision}: {PRECISIONS[precision][0]} missing, skipped (see quantize.py)", file=sys.stderr)
             continue
-        pieces[precision] = Pieces(precision, args.mode)
+        pieces[precision] = Pieces(precision, args.mode, args.checkpoint, args.eagle_head)
+    if not pieces:
+        raise CheckpointError(f"no model.pth or quantized file in {args.checkpoint}; give the target's directory")
     jobs, graphs = {}, {}
     counters = torch._dynamo.utils.counters
     for precision, pc in pieces.items():
@@ -292,6 +306,7 @@ def main(argv=None):
     profile = {
         "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
+        "model": profile_model(next(iter(pieces.values())).model.config), "head": shown(args.eagle_head),
         "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))
                                          if Path(sys.argv[0]).resolve().is_relative_to(REPO) else sys.argv[0]]
                                         + sys.argv[1:]),
@@ -300,7 +315,7 @@ def main(argv=None):
         "mode": "compiled, rows dynamic (1 row: its own graph)" if args.mode == "dynamic" else "eager",
         "overhead_ms": args.overhead_ms, "decode_overhead_ms": args.decode_overhead_ms,
         "precisions": {precision: {
-            "checkpoint": str(pc.checkpoint.relative_to(REPO)), "dtype": str(pc.model.tok_embeddings.weight.dtype),
+            "checkpoint": shown(pc.checkpoint), "dtype": str(pc.model.tok_embeddings.weight.dtype),
             **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},
             "wall_ms": {piece: {str(n): wall[precision, piece, n] for n in rows_of(piece)} for piece in PIECES}}
             for precision, pc in pieces.items()},
@@ -318,4 +333,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")

@@ -245,12 +245,13 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
                                        "update_ms": {"1": 0.5, "9": 0.6}, "move_ms": {"1": 0.1, "9": 0.2}}}}
     p, joint = [[0.7, 0.1]] * 4, [[50, 0, 0, 30], [20, 0, 10, 10]] + [[10, 0, 0, 20]] * 3
     tree.cost_profile_path(1).parent.mkdir(parents=True)
-    tree.cost_profile_path(1).write_text(json.dumps(profile))
     real_build = benchmark.build_quick_checkpoint
 
     def build(out_dir):
         checkpoint, head = real_build(out_dir)
         Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [joint] * 3}}))
+        config = generate.ModelArgs.from_checkpoint_dir(Path(checkpoint).parent)  # the profile is of this model
+        tree.cost_profile_path(1).write_text(json.dumps({**profile, "model": generate.profile_model(config)}))
         return checkpoint, head
 
     monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)

@@ -184,10 +184,15 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "tree auto: chain-1 (no cost profile of this machine for fp32" in capsys.readouterr().err
     flat = {str(n): 10.0 for n in (1, 64)}
-    profile = {"precisions": {"fp32": {"verify_ms": flat, "draft_ms": {"1": 0.1, "64": 0.1},
+    profile = {"model": "dim4096-layers32-heads32/8-ffn14336-vocab128256",  # another model's profile: not used
+               "precisions": {"fp32": {"verify_ms": flat, "draft_ms": {"1": 0.1, "64": 0.1},
                                        "update_ms": {"1": 0.5, "9": 0.5}, "move_ms": {"1": 0.1, "9": 0.1}}}}
     path = tree.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(profile))
+    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
+    assert "the one there is of another model (dim4096-layers32" in capsys.readouterr().err
+    profile["model"] = generate.profile_model(model.config)
     path.write_text(json.dumps(profile))
     chosen = tree.parse_tree(generate.auto_tree_for(tmp_path, model, "cpu"))
     paths, tau, _, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
@@ -293,8 +298,8 @@ def test_autotune_follows_this_machines_measurement(tmp_path, monkeypatch, capsy
     path = tree.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
     for faster, expected in ((True, on), (False, {})):
-        path.write_text(json.dumps({"precisions": {}, "autotune": {"fp32": {"ratio": 0.5 if faster else 1.0,
-                                                                              "faster": faster}}}))
+        path.write_text(json.dumps({"model": generate.profile_model(model.config), "precisions": {},
+                                    "autotune": {"fp32": {"ratio": 0.5 if faster else 1.0, "faster": faster}}}))
         assert generate.autotune_options("auto", model, "cpu") == expected
         assert generate.autotune_options("off", model, "cpu") == {}
     assert "max-autotune (measured faster here for fp32" in capsys.readouterr().err
@@ -309,17 +314,21 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
     import generate
 
     monkeypatch.setenv("HOME", str(tmp_path))
+    config = generate.ModelArgs()  # the default model's shape
     with pytest.raises(generate.UsageError, match="profile_costs.py --threads"):
-        generate.fastest_precision(None)
+        generate.fastest_precision(config, None)
     steep, flat = {str(n): 10.0 * n for n in (1, 64)}, {str(n): 13.0 + 0.01 * n for n in (1, 64)}
     piece = {"draft_ms": {"1": 0.1, "64": 0.1}, "update_ms": {"1": 0.1, "9": 0.1}, "move_ms": {"1": 0.1, "9": 0.1}}
-    profile = {"precisions": {"int4": {"verify_ms": steep, **piece}, "bf16": {"verify_ms": flat, **piece},
+    profile = {"model": generate.profile_model(config),
+               "precisions": {"int4": {"verify_ms": steep, **piece}, "bf16": {"verify_ms": flat, **piece},
                               "fp32": {"verify_ms": {"1": 40.0, "64": 41.0}, **piece}}}
     tree.cost_profile_path(torch.get_num_threads()).parent.mkdir(parents=True)
     tree.cost_profile_path(torch.get_num_threads()).write_text(json.dumps(profile))
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.8, 0.1]] * 6}))
-    assert generate.fastest_precision(None) == "int4"
-    assert generate.fastest_precision(tmp_path) == "bf16"
+    assert generate.fastest_precision(config, None) == "int4"
+    assert generate.fastest_precision(config, tmp_path) == "bf16"
+    with pytest.raises(generate.UsageError, match="of another model"):
+        generate.fastest_precision(generate.ModelArgs(dim=64, n_head=4, n_local_heads=2, n_layer=2), None)
     assert "precision auto: bf16 (predicted tokens/s with EAGLE: bf16" in capsys.readouterr().err
     for argv in (["--precision", "auto", "--quantize", "int4"], ["--precision", "bf16", "--dtype", "float32"]):
         with pytest.raises(generate.UsageError, match="--precision replaces"):

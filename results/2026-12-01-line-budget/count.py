@@ -4,9 +4,11 @@ not have at 1e339b0 (the budget's "today", 2,044 lines), so that the rest can be
     python results/2026-12-01-line-budget/count.py      # from the repository root
 
 A new feature's lines are counted only where they are whole definitions (found by name with ast, with
-their decorators and the comment lines right above them) or listed fragments inside older functions
-(found by their first line, which must occur once); everything else counts as an old feature's, so the
-count of old-feature lines is an upper bound. Each entry names the commit (or issue item) that added it.
+their decorators, the comment lines right above them and the blank lines that separate them from the code
+before; the last column charges those blank lines to the old features instead) or listed fragments inside
+older functions (found by their first line, which must occur once outside those definitions); everything
+else counts as an old feature's, so the count of old-feature lines is an upper bound. Each entry names the
+commit (or issue item) that added it.
 """
 import ast
 import subprocess
@@ -32,8 +34,8 @@ UNITS = {
     "tree auto and the cost model (a83bc2e, b394711, 0d52572)": {
         "tree.py": ["path_value", "tree_tau", "accepted_depth", "greedy_order", "along", "CycleCosts", "reach",
                     "AutoTree", "predict", "auto_tree", "instruction_set", "cost_profile_path"],
-        "generate.py": ["PRECISIONS", "AUTO_TREE_MARGIN", "precision_of", "cost_profile", "cycle_models",
-                        "auto_tree_for"],
+        "generate.py": ["PRECISIONS", "AUTO_TREE_MARGIN", "precision_of", "profile_model", "cost_profile",
+                        "profile_hint", "cycle_models", "auto_tree_for"],
     },
     "context branch (a3975b9, a3fd7a9)": {
         "tree.py": ["split_lookup", "ContextLookup", "context_gain", "branch_taus", "Tree.lookup"],
@@ -93,7 +95,7 @@ FRAGMENTS = {
     ],
     "--precision and --autotune chosen by measurement (d2c863b)": [
         ("generate.py", "if compiled else EAGER", 1),
-        ("generate.py", "if args.precision:", 6),
+        ("generate.py", "if args.precision:", 7),
         ("generate.py", "p.add_argument(\"--precision\", choices=[\"auto\", \"fp32\", \"bf16\", \"int8\", \"int4\"], help=\"instead of --dtype and \"", 2),
         ("generate.py", "p.add_argument(\"--autotune\", choices=[\"auto\", \"on\", \"off\"], default=\"auto\", help=\"with --compile: inductor's \"", 2),
         ("generate.py", "if args.precision and (args.dtype or args.quantize):", 2),
@@ -117,8 +119,9 @@ FRAGMENTS = {
 }
 
 
-def spans(path: Path) -> dict:
-    """Qualified name -> (first line, last line) of each top-level and class-level definition."""
+def spans(path: Path, separators: bool) -> dict:
+    """Qualified name -> (first line, last line) of each top-level and class-level definition, with the
+    comment lines right above it, and with `separators` the blank lines above those too."""
     text = path.read_text()
     lines = text.splitlines()
     tree = ast.parse(text)
@@ -126,7 +129,7 @@ def spans(path: Path) -> dict:
 
     def add(name, node):
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        while first > 1 and lines[first - 2].strip().startswith("#"):
+        while first > 1 and (lines[first - 2].strip().startswith("#") or separators and not lines[first - 2].strip()):
             first -= 1
         out[name] = (first, node.end_lineno)
 
@@ -147,16 +150,13 @@ def spans(path: Path) -> dict:
     return out
 
 
-def main():
-    root = Path(__file__).resolve().parents[2]
-    total = {f: len((root / f).read_text().splitlines()) for f in CORE}
-    before = {f: len(subprocess.run(["git", "show", f"{BEFORE}:{f}"], cwd=root, capture_output=True, text=True,
-                                    check=True).stdout.splitlines()) for f in CORE}
-    counted = {f: set() for f in CORE}  # line numbers attributed to a new feature, per file
+def new_lines(root: Path, separators: bool):
+    """({file: line numbers of new features}, {feature: its line count})."""
+    counted = {f: set() for f in CORE}
     per_feature = dict.fromkeys(UNITS.keys() | FRAGMENTS.keys(), 0)
     for feature, files in UNITS.items():  # whole definitions first
         for f, names in files.items():
-            s = spans(root / f)
+            s = spans(root / f, separators)
             for name in names:
                 first, last = s[name]
                 new = set(range(first, last + 1)) - counted[f]
@@ -170,13 +170,24 @@ def main():
             new = set(range(hits[0], hits[0] + count)) - counted[f]
             counted[f] |= new
             per_feature[feature] += len(new)
-    print(f"| file | at {BEFORE} | now | new features | old features |")
-    print("|---|---:|---:|---:|---:|")
+    return counted, per_feature
+
+
+def main():
+    root = Path(__file__).resolve().parents[2]
+    total = {f: len((root / f).read_text().splitlines()) for f in CORE}
+    before = {f: len(subprocess.run(["git", "show", f"{BEFORE}:{f}"], cwd=root, capture_output=True, text=True,
+                                    check=True).stdout.splitlines()) for f in CORE}
+    strict, _ = new_lines(root, separators=False)  # blank lines between definitions charged to the old features
+    counted, per_feature = new_lines(root, separators=True)  # each definition with the blank lines above it
+    print(f"| file | at {BEFORE} | now | new features | old features | old, blank separators charged to them |")
+    print("|---|---:|---:|---:|---:|---:|")
     for f in CORE:
-        print(f"| {f} | {before[f]} | {total[f]} | {len(counted[f])} | {total[f] - len(counted[f])} |")
-    new_total = sum(len(c) for c in counted.values())
-    print(f"| **total** | **{sum(before.values())}** | **{sum(total.values())}** | **{new_total}** | "
-          f"**{sum(total.values()) - new_total}** |")
+        print(f"| {f} | {before[f]} | {total[f]} | {len(counted[f])} | {total[f] - len(counted[f])} | "
+              f"{total[f] - len(strict[f])} |")
+    n_new, n_strict = (sum(len(c) for c in d.values()) for d in (counted, strict))
+    print(f"| **total** | **{sum(before.values())}** | **{sum(total.values())}** | **{n_new}** | "
+          f"**{sum(total.values()) - n_new}** | **{sum(total.values()) - n_strict}** |")
     print()
     print("| new feature | lines |")
     print("|---|---:|")
