@@ -94,6 +94,7 @@ class Method:
     head: Optional[str] = None  # head directory (eagle)
     num_nodes: Optional[int] = None  # tree nodes verified per cycle, root included
     max_depth: Optional[int] = None
+    sampling_tree: Optional[str] = None  # --trees auto at temperature > 0, where it differs (no context branch)
 
     @property
     def chain_length(self) -> Optional[int]:
@@ -311,12 +312,17 @@ class OurRunner:
     """A Session of this repo (vanilla or EAGLE); sessions sharing a model share its caches, so each
     run starts from a fresh prefill."""
 
-    def __init__(self, method: Method, session, device: str):
-        self.method, self.session, self.device = method, session, device
+    def __init__(self, method: Method, session, device: str, sampling_session=None):
+        self.method, self.session, self.device, self.sampling_session = method, session, device, sampling_session
+
+    def sessions(self) -> list:
+        return [s for s in (self.session, self.sampling_session) if s is not None]
 
     def run(self, prompt: list, max_new_tokens: int, sampling, stop_ids) -> dict:
-        self.session.reset()
-        out, stats = self.session.generate(prompt, max_new_tokens, sampling, stop_ids)
+        sampled = self.sampling_session is not None and not sampling.greedy  # auto's tree at temperature > 0
+        session = self.sampling_session if sampled else self.session
+        session.reset()
+        out, stats = session.generate(prompt, max_new_tokens, sampling, stop_ids)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         accept = [int(a) for a in stats.accept_lengths]
@@ -329,6 +335,7 @@ class OurRunner:
             "committed": sum(accept) + len(accept) if eagle else stats.target_forwards,
             "tau": stats.tau if eagle else (1.0 if stats.target_forwards else None),
             "phase_s": stats.phase_s, "phase_n": stats.phase_n,
+            "tree": (self.method.sampling_tree if sampled else self.method.tree) if eagle else None,
         }
 
 
@@ -631,7 +638,10 @@ def markdown(result: dict, plot_names: list) -> str:
              "of those ratios; pooled = total tokens / total time over the baseline's",
              "- weights + KV MB: the bytes of the method's own target (and head) weights and KV caches, which is "
              "what it needs resident; peak RSS: process high-water mark during the method's runs, all models "
-             "resident; in brackets the largest rise over the RSS at the start of a run", ""]
+             "resident; in brackets the largest rise over the RSS at the start of a run"]
+    lines += [f"- `{m['name']}` (--trees auto): `{m['tree']}` greedy, `{m['sampling_tree']}` at temperature > 0 "
+              "(generate.py's choice, which leaves out the context branch when sampling)"
+              for m in meta["methods"] if m.get("sampling_tree")] + [""]
     for g in result["summary"]:
         lines += [f"## {g['dataset']}, temperature {g['temperature']:g} (baseline `{g['baseline']}`, "
                   f"{g['baseline_rule']})", "",
@@ -949,10 +959,13 @@ def run_benchmark(args, argv):
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
-            if m.tree == "auto":  # the tree generate.py --tree auto takes at this precision
+            if m.tree == "auto":  # the trees generate.py --tree auto takes at this precision, greedy and sampling
                 m.tree = generate.auto_tree_for(Path(m.head), targets[m.dtype], device)
-            if m.tree not in trees:
-                trees[m.tree] = parse_tree(m.tree).to(device)
+                if any(t > 0 for t in args.temperatures):
+                    sampled = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, greedy=False)
+                    m.sampling_tree = sampled if sampled != m.tree else None
+            for spec in filter(None, (m.tree, m.sampling_tree)):
+                trees[spec] = trees.get(spec) or parse_tree(spec).to(device)
             m.num_nodes, m.max_depth = trees[m.tree].num_nodes, trees[m.tree].max_depth
         if m.kind.startswith("hf") and m.dtype not in peers:
             peers[m.dtype] = load_peer(DTYPES[m.dtype], device)
@@ -971,7 +984,9 @@ def run_benchmark(args, argv):
         elif m.kind == "eagle":
             session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree], steps)
         if m.kind in ("vanilla", "eagle"):
-            runners[m.name] = OurRunner(m, session, device)
+            sampling_session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype],
+                                                trees[m.sampling_tree], steps) if m.sampling_tree else None
+            runners[m.name] = OurRunner(m, session, device, sampling_session)
         elif m.kind.startswith("llamacpp"):
             runners[m.name] = LlamaCppRunner(m, max_seq_len, torch.get_num_threads())
         else:
@@ -980,8 +995,7 @@ def run_benchmark(args, argv):
     # largest, so every method attends over the same cache length and none reallocates another's.
     cache_len = {}
     for m in methods:
-        if m.kind in ("vanilla", "eagle"):
-            session = runners[m.name].session
+        for session in runners[m.name].sessions() if m.kind in ("vanilla", "eagle") else []:
             cache_len[m.dtype] = max(cache_len.get(m.dtype, 0), session.model.max_seq_len)
             if m.kind == "eagle":
                 cache_len[m.head, m.dtype] = max(cache_len.get((m.head, m.dtype), 0), session.head.max_seq_len)

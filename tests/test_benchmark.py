@@ -260,7 +260,7 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
     threads = torch.get_num_threads()
     try:
         result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "compiled", "--dtypes", "fp32",
-                                 "--trees", "auto", "c1l2=chain-1+lookup-2", "--temperatures", "0",
+                                 "--trees", "auto", "c1l2=chain-1+lookup-2", "--temperatures", "0", "1",
                                  "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path / "a")])
     finally:
         torch.set_num_threads(threads)
@@ -275,6 +275,12 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
     assert all(s["outputs_match_vanilla"]["matched"] == 1 for name, s in result["summary"][0]["methods"].items()
                if name.startswith("eagle"))
     assert "| eagle-c1l2-fp32-compiled | `chain-1+lookup-2` |" in (tmp_path / "a" / "benchmark.md").read_text()
+    # at temperature > 0 auto runs the tree generate.py takes there: no context branch
+    sampled = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
+    assert "+lookup-" in chosen.spec and sampled.spec != chosen.spec
+    trees_run = {(r["temperature"], r["tree"]) for r in result["runs"] if r["method"] == "eagle-auto-fp32-compiled"}
+    assert trees_run == {(0.0, chosen.spec), (1.0, sampled.spec)}
+    assert f"`{chosen.spec}` greedy, `{sampled.spec}` at temperature > 0" in (tmp_path / "a" / "benchmark.md").read_text()
 
 
 def test_tensor_mb_counts_every_quantized_weight():
