@@ -130,6 +130,7 @@ class Pieces:
             self.model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
         dtype = self.model.tok_embeddings.weight.dtype
         self.head = EagleHead.load(head_dir, dtype=dtype)
+        self.head.check_fits(self.model.config, self.model.config.vocab_size)
         if getattr(self.model, "quantization", None) is not None:
             from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
             quantize_head_like(self.head, self.model)
