@@ -4,8 +4,8 @@ gpt-fast style: a preallocated static KV cache written at `input_pos`, RoPE prec
 (cos, sin) tables, attention as one `scaled_dot_product_attention` call under a boolean mask. For EAGLE,
 `forward` takes any boolean mask over the cache and explicit rotary positions (a draft tree verified in
 one call: a node sees the prefix and its ancestors), and returns features beside the logits: the
-post-final-norm hidden states (EAGLE's "feature") or, with
-`feature_layers` set (EAGLE-3), the hidden states entering those layers, concatenated.
+post-final-norm hidden states (EAGLE's "feature") or, with `feature_layers` set (EAGLE-3), the hidden
+states entering those layers, concatenated.
 
 q/k projection rows use the interleaved-pair rotary layout (llama.cpp / gpt-fast / Meta's original):
 `scripts/convert_hf_checkpoint.py` permutes HF checkpoints into it; GGUF files store it too

@@ -62,7 +62,7 @@ FRAGMENTS = {
         ("tokenizer.py", "import importlib.util", 1), ("tokenizer.py", "import sys", 1), ("tokenizer.py", "import time", 1),
     ],
     "EAGLE-3 head and fused features (5065f0b, 9b26679, eba5378)": [
-        ("model.py", "`feature_layers` set (EAGLE-3), the hidden states entering those layers, concatenated.", 1),
+        ("model.py", "states entering those layers, concatenated.", 1),
         ("model.py", "# EAGLE-3's fused features: layer boundaries k (the residual stream entering layer k; k = n_layer:", 4),
         ("model.py", "taps = self.feature_layers", 2),
         ("model.py", "if taps is not None and i in taps:", 2),
