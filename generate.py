@@ -532,7 +532,8 @@ def cost_profile(config: ModelArgs) -> tuple:
     the shape the profile there holds when it is another model's, else None)."""
     path = cost_profile_path(torch.get_num_threads())
     profile = json.loads(path.read_text()) if path.is_file() else None
-    other = profile.get("model") if profile and profile.get("model") != profile_model(config) else None
+    measured = profile and profile.get("model", "not recorded: profiled before profiles named their model")
+    other = measured if profile and measured != profile_model(config) else None
     return path, None if other else profile, other
 
 

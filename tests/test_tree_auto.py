@@ -192,6 +192,9 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     path.write_text(json.dumps(profile))
     assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "the one there is of another model (dim4096-layers32" in capsys.readouterr().err
+    path.write_text(json.dumps({k: v for k, v in profile.items() if k != "model"}))  # a profile that names none
+    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
+    assert "of another model (not recorded" in capsys.readouterr().err
     profile["model"] = generate.profile_model(model.config)
     path.write_text(json.dumps(profile))
     chosen = tree.parse_tree(generate.auto_tree_for(tmp_path, model, "cpu"))
