@@ -193,6 +193,12 @@ class CacheWindow:
             torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
         return mask
 
+    def causal(self, input_pos: Tensor, end: int, cache_len: int, mark: bool = True) -> Tensor:
+        """causal_mask for tokens at slots input_pos, slot end - 1 the last in use; mark: its slot count dynamic
+        (the fixed-shape steps; the prefills compile with dynamic shapes, or not at all)."""
+        mask = causal_mask(input_pos, self.slots(end, cache_len))
+        return self.mark(mask) if mark else mask
+
     def tree(self, base: int, tree_mask: Tensor, cache_len: int) -> Tensor:
         """tree_attention_mask for nodes at slots base + j, j < tree_mask.shape[1]."""
         return self.mark(tree_attention_mask(base, tree_mask, self.slots(base + tree_mask.shape[1], cache_len)))
@@ -309,7 +315,7 @@ class Session:
     def _prefill(self, sampling: Sampling) -> int:
         new = torch.tensor(self.tokens[self.target_len:], device=self.device)
         input_pos = torch.arange(self.target_len, len(self.tokens), device=self.device)
-        mask = causal_mask(input_pos, self.window.slots(len(self.tokens), self.model.max_seq_len))
+        mask = self.window.causal(input_pos, len(self.tokens), self.model.max_seq_len, mark=False)
         logits, features = self.steps.prefill(self.model, new.view(1, -1), input_pos, mask)
         if self.head is not None:
             self.features[input_pos] = features[0]
@@ -321,7 +327,7 @@ class Session:
             yield [token]
             with stats.phase("decode"):
                 pos = torch.tensor([self.target_len], device=self.device)
-                mask = self.window.mark(causal_mask(pos, self.window.slots(self.target_len + 1, self.model.max_seq_len)))
+                mask = self.window.causal(pos, self.target_len + 1, self.model.max_seq_len)
                 out = self.steps.decode(self.model, torch.tensor([[token]], device=self.device), pos, mask,
                                         sampling.greedy)
             stats.target_forwards += 1
@@ -383,12 +389,11 @@ class Session:
         n = features.shape[0]
         paired = self.head.pair_tokens(next_tokens, own_tokens)
         pos = torch.arange(start, start + n, device=self.device)
-        mask = causal_mask(pos, self.window.slots(start + n, self.head.max_seq_len))
+        mask = self.window.causal(pos, start + n, self.head.max_seq_len, mark=update)
         stats.head_forwards += 1
         return (self.steps.head_update if update else self.steps.head_prefill)(
             self.model, self.head, torch.tensor(paired + [0] * (n - len(paired)), device=self.device).view(1, -1),
-            features[None], pos, self.window.mark(mask) if update else mask,
-            torch.tensor([last], device=self.device), self.tree.max_rank + 1)
+            features[None], pos, mask, torch.tensor([last], device=self.device), self.tree.max_rank + 1)
 
 
 def accept(draft: Draft, out: Tensor, sampling: Sampling):
