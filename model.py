@@ -15,6 +15,7 @@ loader every checkpoint format (model.pth, quantize.py's files, EAGLE heads) goe
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -97,8 +98,15 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor):
-        self.k_cache.index_copy_(2, input_pos, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(2, input_pos, v.to(self.v_cache.dtype))
+        """Write k, v [B, kv_heads, T, head_dim] at slots input_pos: [T] for every row, or [B, T] per row."""
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
+        if input_pos.dim() == 1:
+            self.k_cache.index_copy_(2, input_pos, k)
+            self.v_cache.index_copy_(2, input_pos, v)
+        else:  # each row at its own slots (a batch whose sequences have different lengths)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(input_pos)
+            self.k_cache[rows, :, input_pos] = k.transpose(1, 2)  # index_put_: [B, T, kv_heads, head_dim]
+            self.v_cache[rows, :, input_pos] = v.transpose(1, 2)
         return self.k_cache, self.v_cache
 
     def move(self, src: Tensor, dst: Tensor):
@@ -114,8 +122,9 @@ def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def causal_mask(input_pos: Tensor, max_seq_len: int) -> Tensor:
-    """[T, max_seq_len] bool: the token in cache slot input_pos[i] sees slots 0..input_pos[i]."""
-    return torch.arange(max_seq_len, device=input_pos.device)[None, :] <= input_pos[:, None]
+    """[T, max_seq_len] bool (input_pos [T]; [B, T, max_seq_len] for per-row slots [B, T]): the token in cache
+    slot input_pos[i] sees slots 0..input_pos[i]."""
+    return torch.arange(max_seq_len, device=input_pos.device) <= input_pos[..., None]
 
 
 class Transformer(nn.Module):
@@ -151,6 +160,19 @@ class Transformer(nn.Module):
     def kv_caches(self):
         return [layer.attention.kv_cache for layer in self.layers]
 
+    @contextmanager
+    def cache_row(self, row: int):
+        """Within the block the KV caches are batch row `row` alone (views: a batch-1 forward, such as one
+        sequence's prefill, writes into that row of the full caches)."""
+        full = [(cache.k_cache, cache.v_cache) for cache in self.kv_caches()]
+        for cache, (k, v) in zip(self.kv_caches(), full):
+            cache.k_cache, cache.v_cache = k[row: row + 1], v[row: row + 1]
+        try:
+            yield
+        finally:
+            for cache, (k, v) in zip(self.kv_caches(), full):
+                cache.k_cache, cache.v_cache = k, v
+
     def keep_batch_rows(self, rows: Tensor):
         """Keep only these batch rows (indices or a bool mask) of the KV caches: finished sequences leave."""
         for cache in self.kv_caches():
@@ -159,15 +181,17 @@ class Transformer(nn.Module):
 
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
-        """Run tokens `idx` [B, T] written to cache slots `input_pos` [T]. mask: [T, S] bool, True where a
-        query may attend to a cache slot; attention reads slots 0..S-1 only, S <= max_seq_len (default:
-        causal over the whole cache). rope_pos: [T] rotary positions (default: input_pos; tree nodes differ).
+        """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
+        mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
+        slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache). rope_pos: rotary
+        positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
         hidden states, the input of the LM head. With `feature_layers` set, features are instead the
         hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
+        mask = mask[:, None] if mask.dim() == 3 else mask  # [B, T, S] -> [B, heads (broadcast), T, S]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.tok_embeddings(idx)
@@ -317,10 +341,10 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, heads, head_dim]; cos/sin [T, head_dim//2]."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, heads, head_dim]; cos/sin [T or B, T, head_dim//2]."""
     xs = x.reshape(*x.shape[:-1], -1, 2)
     x0, x1 = xs[..., 0], xs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2).type_as(x)
 
 

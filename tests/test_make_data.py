@@ -1,0 +1,172 @@
+"""scripts/make_data.py: the batched engine answers as Session.generate does, its files round-trip, runs resume."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from generate import Sampling, Session
+from model import ModelArgs, Transformer, causal_mask
+from scripts import make_data
+from scripts.make_data import Conversation, DataError, Engine, Request, load_answers, read_chunk, write_chunk
+from test_model import hf_config, write_checkpoint
+
+pytestmark = pytest.mark.usefixtures("lean_torch")
+
+
+def tiny_target(vocab_size=64, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(dim=32, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=64,
+                                  vocab_size=vocab_size)).eval()
+    with torch.no_grad():
+        model.output.weight.mul_(3.0)  # sharp next-token distributions: no near-ties
+    return model
+
+
+def session_answers(model, requests, stop_ids):
+    out = []
+    for r in requests:
+        answer, _ = Session(model, len(r.prompt) + r.max_new_tokens).generate(r.prompt, r.max_new_tokens, Sampling(),
+                                                                              stop_ids)
+        out.append(answer)
+    return out
+
+
+def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False):
+    queue, got = list(requests), {}
+    engine = Engine(model, batch_size, max_len, compile=compile)
+    engine.run(lambda cached: queue.pop(0) if queue else None,
+               lambda request, answer, reason: got.__setitem__(request.key, (list(answer), reason)), stop_ids)
+    return [got[r.key] for r in requests], engine
+
+
+def tiny_requests(n, vocab_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Request(torch.randint(0, vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
+                    int(torch.randint(3, 20, (1,), generator=g)), Sampling(), key=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
+    """Rows of different prompt lengths finish at different steps (budgets, a stop token) and are refilled;
+    every answer equals a single-sequence greedy generation. Compiled: one graph, no recompiles."""
+    model = tiny_target()
+    requests = tiny_requests(9, 64)
+    stop = {7}
+    ref = session_answers(model, requests, stop)
+    assert any(a[-1] in stop for a in ref) and any(a[-1] not in stop for a in ref)  # both kinds of ending
+    if compile:
+        torch._dynamo.reset()
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    got, engine = engine_answers(model, requests, 3, 40, stop, compile=compile)
+    assert [a for a, _ in got] == ref
+    assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
+    assert engine.answer_tokens == sum(map(len, ref))
+
+
+def test_engine_follow_up_reuses_the_row():
+    """A follow-up request (a conversation's next turn) runs in the same row and prefills only what is new;
+    its answer equals a fresh single-sequence generation of the whole prompt."""
+    model = tiny_target()
+    first = Request([3, 5, 9, 11], 6, Sampling(), key="turn 1")
+    answers = {}
+
+    def on_done(request, answer, reason):
+        answers[request.key] = list(answer)
+        if request.key == "turn 1":
+            return Request(request.prompt + list(answer) + [4, 4], 5, Sampling(), key="turn 2")
+        return None
+
+    queue = [first]
+    engine = Engine(model, 2, 40)
+    engine.run(lambda cached: queue.pop(0) if queue else None, on_done)
+    second_prompt = first.prompt + answers["turn 1"] + [4, 4]
+    assert answers["turn 2"] == session_answers(model, [Request(second_prompt, 5, Sampling())], set())[0]
+    # turn 2 prefilled the two new tokens only (turn 1's answer ran through the target as it was decoded)
+    assert engine.prefill_tokens == len(first.prompt) + 2
+
+
+def test_engine_default_model(default_checkpoint):
+    """The default model, fp32: the engine's greedy answers equal Session.generate's."""
+    from tokenizer import Tokenizer
+
+    model = Transformer.from_checkpoint(default_checkpoint)
+    tokenizer = Tokenizer.load(default_checkpoint.parent)
+    questions = ["What is 2+2?", "Write a haiku about the sea.", "Name three rivers.", "Who wrote Hamlet?"]
+    requests = [Request(tokenizer.encode_chat([{"role": "user", "content": q}]), n, Sampling(), key=i)
+                for i, (q, n) in enumerate(zip(questions, [30, 12, 24, 16]))]
+    ref = session_answers(model, requests, tokenizer.stop_ids)
+    got, _ = engine_answers(model, requests, 2, 120, tokenizer.stop_ids)
+    assert [a for a, _ in got] == ref
+
+
+def test_batched_rows_match_single_rows():
+    """model.forward with per-row cache slots [B, T] writes and reads each row as a batch-1 forward would."""
+    model = tiny_target()
+    model.setup_caches(2, 16)
+    seqs = [torch.tensor([1, 2, 3, 4, 5]), torch.tensor([9, 8])]
+    with torch.no_grad():
+        for b, s in enumerate(seqs):  # prefill each row alone
+            with model.cache_row(b):
+                pos = torch.arange(len(s))
+                model(s[None], pos, mask=causal_mask(pos, len(s)))
+        pos = torch.tensor([[5], [2]])
+        logits, _ = model(torch.tensor([[6], [7]]), pos, mask=causal_mask(pos, 6)[:, None])
+        for b, s in enumerate(seqs):
+            ref = tiny_target()
+            ref.setup_caches(1, 16)
+            full = torch.cat([s, torch.tensor([6 if b == 0 else 7])])
+            expected, _ = ref(full[None], torch.arange(len(full)))
+            torch.testing.assert_close(logits[b, -1], expected[0, -1], atol=1e-5, rtol=0)
+
+
+def conversations_with_records():
+    a = Conversation(5, ["hi", "more"])
+    a.records = [([1, 2, 3], [4, 5, 2], "stop"), ([1, 2, 3, 4, 5, 2, 9, 9], [6, 7], "length")]
+    b = Conversation(6, ["x"])
+    b.records = [([1, 8], [2], "stop")]
+    return [a, b]
+
+
+def test_chunk_round_trip_and_refusals(tmp_path):
+    convs = conversations_with_records()
+    manifest = write_chunk(tmp_path, "sharegpt-c000005-t0", convs,
+                           {"target": {"weights_sha256": "abc"}, "sampling": {"temperature": 0.0}})
+    assert manifest["answer_tokens"] == 6 and manifest["later_turn_answer_tokens"] == 2
+    assert manifest["stored_tokens"] == 3 + 3 + 2 + 2 + 2 + 1  # turn 2 stores only its new prompt tokens
+    records = read_chunk(tmp_path / "sharegpt-c000005-t0.json", "abc")
+    assert [(r["prompt"], r["answer"], r["turn"], r["finish"]) for r in records] == \
+        [(p, a, t, f) for c in convs for t, (p, a, f) in enumerate(c.records)]
+    assert load_answers(tmp_path) == records
+    with pytest.raises(DataError, match="other weights"):
+        read_chunk(tmp_path / "sharegpt-c000005-t0.json", "another")
+    (tmp_path / "sharegpt-c000005-t0.ids.xz").write_bytes(b"garbage")
+    with pytest.raises(DataError, match="cannot be read"):
+        read_chunk(tmp_path / "sharegpt-c000005-t0.json")
+
+
+def test_make_data_resumes(tmp_path, default_checkpoint, capsys):
+    """Two chunks of real ShareGPT conversations answered by a tiny target with the default tokenizer; a second
+    run has nothing to do; a deleted chunk is made again, the other is left alone."""
+    ckpt_dir = tmp_path / "tiny"
+    target = tiny_target(vocab_size=49152)
+    write_checkpoint(ckpt_dir, target, hf_config(target.config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_checkpoint.parent / name, ckpt_dir / name)
+    out = tmp_path / "data"
+    args = ["--checkpoint", str(ckpt_dir / "model.pth"), "--out", str(out), "--conversations", "4", "--chunk", "2",
+            "--batch_size", "3", "--max_new_tokens", "6", "--max_len", "400", "--no-compile", "--dtype", "float32"]
+    make_data.main(args)
+    manifests = sorted(out.glob("*.json"))
+    assert [p.name for p in manifests] == ["sharegpt-c000200-t0.json", "sharegpt-c000202-t0.json"]
+    first = json.loads(manifests[0].read_text())
+    assert first["conversations"] == [200, 202] and first["answer_tokens"] > 0
+    records = load_answers(out, first["target"]["weights_sha256"])
+    assert all(len(r["answer"]) <= 6 for r in records) and {r["conversation"] for r in records} <= {200, 201, 202, 203}
+    assert any(r["turn"] > 0 for r in records)  # later turns continue the conversation
+    make_data.main(args)
+    assert "nothing to do" in capsys.readouterr().err
+    stamp = manifests[1].stat().st_mtime_ns
+    manifests[0].unlink()
+    make_data.main(args)
+    assert manifests[0].exists() and manifests[1].stat().st_mtime_ns == stamp
