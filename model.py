@@ -173,6 +173,12 @@ class Transformer(nn.Module):
             for cache, (k, v) in zip(self.kv_caches(), full):
                 cache.k_cache, cache.v_cache = k, v
 
+    def reorder_batch_rows(self, order: Tensor):
+        """Batch row i of the KV caches becomes what row order[i] was (in place: the buffers stay the same)."""
+        for cache in self.kv_caches():
+            cache.k_cache.copy_(cache.k_cache[order])
+            cache.v_cache.copy_(cache.v_cache[order])
+
     def keep_batch_rows(self, rows: Tensor):
         """Keep only these batch rows (indices or a bool mask) of the KV caches: finished sequences leave."""
         for cache in self.kv_caches():
@@ -183,7 +189,8 @@ class Transformer(nn.Module):
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
-        slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache). rope_pos: rotary
+        slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache). A tuple of G masks
+        [B / G, 1, T, S_g]: consecutive groups of rows, each reading its own S_g slots (batched decoding). rope_pos: rotary
         positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
@@ -191,7 +198,8 @@ class Transformer(nn.Module):
         hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
-        mask = mask[:, None] if mask.dim() == 3 else mask  # [B, T, S] -> [B, heads (broadcast), T, S]
+        if not isinstance(mask, tuple):  # a tuple: masks of consecutive row groups, each over its own slots
+            mask = mask[:, None] if mask.dim() == 3 else mask  # [B, T, S] -> [B, heads (broadcast), T, S]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.tok_embeddings(idx)
@@ -289,10 +297,18 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
             k, v = self.kv_cache.update(input_pos, k, v)
-            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers
-        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                           enable_gqa=self.n_head != self.n_local_heads)
+        groups = mask if isinstance(mask, tuple) else (mask,)  # masks of consecutive row groups
+        rows = bsz // len(groups)
+        ys = [self.attend(q[g * rows: (g + 1) * rows], k[g * rows: (g + 1) * rows], v[g * rows: (g + 1) * rows], m)
+              for g, m in enumerate(groups)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
         return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
+
+    def attend(self, q, k, v, mask):
+        """q [B, heads, T, head_dim] over the first mask.shape[-1] slots of k, v (the slots the mask covers)."""
+        S = mask.shape[-1]
+        return F.scaled_dot_product_attention(q.to(k.dtype), k[:, :, :S], v[:, :, :S], attn_mask=mask,
+                                              enable_gqa=self.n_head != self.n_local_heads)
 
 
 class FeedForward(nn.Module):

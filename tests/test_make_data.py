@@ -58,7 +58,9 @@ def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
     if compile:
         torch._dynamo.reset()
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    got, engine = engine_answers(model, requests, 3, 40, stop, compile=compile)
+    full = Request(list(range(1, 13)), 30, Sampling(), key="fills the cache")  # 12 + 30 > max_len 40
+    ref.append(session_answers(model, [full], stop)[0][:40 - 12])
+    got, engine = engine_answers(model, requests + [full], 3, 40, stop, compile=compile)
     assert [a for a, _ in got] == ref
     assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
     assert engine.answer_tokens == sum(map(len, ref))
