@@ -159,13 +159,31 @@ class Steps:
         self.prefill, self.head_prefill = map(variable, (prefill, head_extend))
 
     @classmethod
-    def compiled(cls, device: str, prefill_too: bool = False, **options) -> "Steps":
+    def compiled(cls, device: str, prefill_too: bool = False, inductor_config: Optional[dict] = None,
+                 **options) -> "Steps":
         """Full graphs of static shape (a live mask's slot count is dynamic, see CacheWindow; on CUDA, CUDA
         graphs), so nothing recompiles: the target's steps compile once greedy, once sampling. prefill_too:
-        the prefills too, with dynamic shapes. `options` go to every torch.compile call (e.g. backend=...)."""
+        the prefills too, with dynamic shapes. `options` go to every torch.compile call (e.g. backend=...);
+        inductor_config (AUTOTUNE_OPTIONS) is set where inductor reads it, see compile_step."""
         fixed = {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if device.startswith("cuda") else {})}
-        return cls(lambda f: torch.compile(f, **{**fixed, **options}),
-                   (lambda f: torch.compile(f, fullgraph=True, dynamic=True, **options)) if prefill_too else None)
+        return cls(lambda f: compile_step(f, inductor_config, **fixed, **options),
+                   (lambda f: compile_step(f, inductor_config, fullgraph=True, dynamic=True, **options))
+                   if prefill_too else None)
+
+
+def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options) -> Callable:
+    """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
+    the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
+    not honoured, and without frozen weights the max-autotune GEMM templates are never used (issue 29: the
+    compiled code then holds no _frozen_param; the patch costs ~30 us a call)."""
+    compiled = torch.compile(f, **options)
+    if not inductor_config:
+        return compiled
+
+    def run(*args, **kwargs):
+        with torch._inductor.config.patch(inductor_config):
+            return compiled(*args, **kwargs)
+    return run
 
 
 EAGER = Steps()
@@ -614,7 +632,7 @@ def autotune_options(choice: str, model: Transformer, device: str) -> dict:
         if choice == "on":
             print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {path.name})",
                   file=sys.stderr)
-    return {"options": AUTOTUNE_OPTIONS} if choice == "on" else {}
+    return {"inductor_config": AUTOTUNE_OPTIONS} if choice == "on" else {}
 
 
 def print_stats(stats: Stats, tree, label: str = ""):

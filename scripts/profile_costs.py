@@ -18,7 +18,7 @@ one row is always a graph of its own, as Dynamo specialises size 1): a fixed-sha
 would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
 compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
 dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
-model calls; of generate.py it takes only AUTOTUNE_OPTIONS). With --autotune, fixed-shape verifies compiled
+model calls; of generate.py it takes AUTOTUNE_OPTIONS and compile_step, which applies them). With --autotune, fixed-shape verifies compiled
 with inductor's max-autotune are timed against the default ones; `autotune[precision].faster` (at least
 AUTOTUNE_MARGIN faster) is what generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
 cycle / of a vanilla step beyond these forwards) are arguments, from generate.py's phase times (defaults:
@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer, causal_mask  # noqa: E402
-from generate import AUTOTUNE_OPTIONS, profile_model  # noqa: E402
+from generate import AUTOTUNE_OPTIONS, compile_step, profile_model  # noqa: E402
 from tree import cost_profile_path, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -105,8 +105,9 @@ def fresh(fn, tag: str):
     return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__)
 
 
-def compiled(fn, tag: str, **options):
-    return torch.compile(fresh(fn, tag), fullgraph=True, dynamic=False, **options)
+def compiled(fn, tag: str, inductor_config=None):
+    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: AUTOTUNE_OPTIONS)."""
+    return compile_step(fresh(fn, tag), inductor_config, fullgraph=True, dynamic=False)
 
 
 def dynamic(*marks):
@@ -292,8 +293,8 @@ def main(argv=None):
         at_jobs = {}
         for precision, pc in pieces.items():
             for n in rows:
-                for kind, options in (("default", {}), ("autotuned", {"options": AUTOTUNE_OPTIONS})):
-                    fn = compiled(verify_rows, f"{precision}_{kind}_{n}", **options)
+                for kind, config in (("default", None), ("autotuned", AUTOTUNE_OPTIONS)):
+                    fn = compiled(verify_rows, f"{precision}_{kind}_{n}", config)
                     at_jobs[precision, kind, n] = pc.call("verify", n, {"verify": fn}, rows_dynamic=False)
                     at_jobs[precision, kind, n]()
                     at_jobs[precision, kind, n]()

@@ -664,7 +664,7 @@ def test_autotuned_steps_are_lossless_and_do_not_recompile():
     n = 10
     refs = [vanilla_greedy(model, p, n) for p in prompts]
     torch._dynamo.reset()
-    steps = generate.Steps.compiled("cpu", options=generate.AUTOTUNE_OPTIONS)
+    steps = generate.Steps.compiled("cpu", inductor_config=generate.AUTOTUNE_OPTIONS)
     try:
         for session in (Session(model, 64, steps=steps), Session(model, 64, head, parse_tree("chain-2+lookup-2"), steps)):
             assert session.generate(prompts[0], n, Sampling())[0] == refs[0]  # warm-up
@@ -673,6 +673,25 @@ def test_autotuned_steps_are_lossless_and_do_not_recompile():
                     assert session.generate(prompt, n, Sampling())[0] == ref
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["inductor_config", "options"])
+def test_autotune_freezes_the_weights(how):
+    """--autotune's settings engage: the decode step's generated code holds frozen weights (_frozen_param) when
+    Steps.compiled applies them as it does (inductor_config); passed as torch.compile options, inductor ignores
+    `freezing` and the code reads the weights as graph inputs (what --autotune did before issue 29)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_target(vocab_size=32)
+    model.setup_caches(1, 16)
+    torch._dynamo.reset()
+    steps = generate.Steps.compiled("cpu", **{how: generate.AUTOTUNE_OPTIONS})
+    pos = torch.tensor([3])
+    try:
+        _, code = run_and_get_code(steps.decode, model, torch.tensor([[5]]), pos, causal_mask(pos, 4), True)
+    finally:
+        torch._dynamo.reset()
+    assert ("_frozen_param" in "\n".join(code)) == (how == "inductor_config")
 
 
 # ---------------------------------------------------------------- edge cases

@@ -296,7 +296,7 @@ def test_autotune_follows_this_machines_measurement(tmp_path, monkeypatch, capsy
 
     monkeypatch.setenv("HOME", str(tmp_path))
     model = tiny_target()  # fp32
-    on = {"options": generate.AUTOTUNE_OPTIONS}
+    on = {"inductor_config": generate.AUTOTUNE_OPTIONS}
     assert generate.autotune_options("auto", model, "cpu") == {} and generate.autotune_options("on", model, "cpu") == on
     path = tree.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
