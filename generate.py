@@ -16,6 +16,7 @@ The model steps run eagerly or compiled (Steps); CacheWindow decides how many ca
 """
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -220,6 +221,62 @@ class CacheWindow:
     def tree(self, base: int, tree_mask: Tensor, cache_len: int) -> Tensor:
         """tree_attention_mask for nodes at slots base + j, j < tree_mask.shape[1]."""
         return self.mark(tree_attention_mask(base, tree_mask, self.slots(base + tree_mask.shape[1], cache_len)))
+
+
+# ---------------------------------------------------------------- threads on a shared machine
+def read_proc(path: str) -> Optional[str]:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def cpu_ticks(stat: str, self_stat: str) -> tuple:
+    """(busy clock ticks of all CPUs, of this process) from the texts of /proc/stat and /proc/self/stat."""
+    fields = [int(x) for x in stat.split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
+    own = self_stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return busy, int(own[11]) + int(own[12])  # utime + stime of every thread
+
+
+def threads_for(other_busy: float, cpus: int) -> int:
+    """Threads for `cpus` cores of which other processes keep `other_busy` cores' worth busy: one per core they
+    leave free (a core counts as taken from 0.4 of it on: our spinning threads crowd a busy neighbour down)."""
+    return max(1, cpus - int(other_busy + 0.6))
+
+
+class ThreadGovernor:
+    """--threads auto: as many threads as the cores other processes leave free, re-checked every `interval`
+    seconds while generating (check() between steps). An OpenMP thread on a core another process holds stalls
+    every barrier of every step: a vanilla step ran 10x slower at 2 threads with one core busy than at 1
+    (issue 29), and no waiting policy is free when idle. Other processes' load is all CPUs' busy time less
+    this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default."""
+
+    def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
+        self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock
+        self.enabled = read("/proc/stat") is not None
+        self.last = self.sample()
+
+    def sample(self):
+        stat, own = self.read("/proc/stat"), self.read("/proc/self/stat")
+        return (self.clock(), *cpu_ticks(stat, own)) if stat and own else None
+
+    def check(self, force: bool = False) -> int:
+        """Set the thread count from the load since the last check (at most every `interval` s); returns it."""
+        if self.enabled and self.last and (force or self.clock() - self.last[0] >= self.interval):
+            now = self.sample()
+            seconds, busy, own = (a - b for a, b in zip(now, self.last))
+            if seconds > 0:
+                other = max(0.0, (busy - own) / TICKS_PER_S / seconds)
+                threads = threads_for(other, self.cpus)
+                if threads != torch.get_num_threads():
+                    torch.set_num_threads(threads)
+            self.last = now
+        return torch.get_num_threads()
+
+
+TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+START_WINDOW_S = 0.25  # the load measured at start-up, before the thread count is first set
 
 
 # ---------------------------------------------------------------- session state
@@ -648,14 +705,17 @@ def print_stats(stats: Stats, tree, label: str = ""):
     print(line, file=sys.stderr)
 
 
-def streamer(tokenizer):
-    """An on_tokens callback that prints the text of committed tokens as they come (stop tokens hidden)."""
+def streamer(tokenizer, governor: Optional[ThreadGovernor] = None):
+    """An on_tokens callback that prints the text of committed tokens as they come (stop tokens hidden), and lets
+    the thread governor re-check the machine's load."""
     from tokenizer import StreamDecoder
 
     decoder = StreamDecoder(tokenizer)
 
     def stream(ids):
         print(decoder.push([t for t in ids if t not in tokenizer.stop_ids]), end="", flush=True)
+        if governor is not None:
+            governor.check()
     return stream
 
 
@@ -674,7 +734,7 @@ def warm_up(session: Session, prompt: list, sampling: Sampling):
     print(f"{time.perf_counter() - start:.0f} s ({reused})", file=sys.stderr)
 
 
-def chat(session: Session, tokenizer, args, sampling: Sampling):
+def chat(session: Session, tokenizer, args, sampling: Sampling, governor: Optional[ThreadGovernor] = None):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Chat (empty line or Ctrl-D to quit)", file=sys.stderr)
     while True:
@@ -690,7 +750,8 @@ def chat(session: Session, tokenizer, args, sampling: Sampling):
         if budget <= 0:
             raise UsageError(f"the conversation ({len(prompt)} tokens) fills --max_seq_len {args.max_seq_len}; "
                              "restart with a larger --max_seq_len")
-        out, stats = session.generate(prompt, budget, sampling, tokenizer.stop_ids, on_tokens=streamer(tokenizer))
+        out, stats = session.generate(prompt, budget, sampling, tokenizer.stop_ids,
+                                      on_tokens=streamer(tokenizer, governor))
         print(flush=True)
         print_stats(stats, session.tree)
         messages.append({"role": "assistant", "content": tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])})
@@ -715,7 +776,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: float32, or the dtype a quantized checkpoint was made for")
     p.add_argument("--max_seq_len", type=int, default=2048)
-    p.add_argument("--threads", type=int, help="CPU threads (default: PyTorch's; 1 is faster on a busy machine)")
+    p.add_argument("--threads", type=int, help="CPU threads (default: one per core that other processes leave "
+                   "free, re-checked every second; OMP_NUM_THREADS, if set, instead)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "int4"], help="instead of --dtype and "
                    "--quantize; auto: the one this machine's cost profile predicts fastest (with --eagle: with EAGLE)")
     p.add_argument("--quantize", choices=["int8", "int4"], help="run int8 / int4 weights, quantized from the "
@@ -751,18 +813,25 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    governor = None
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ and args.device == "cpu":
+        governor = ThreadGovernor(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+        time.sleep(START_WINDOW_S)
+        governor.check(force=True)  # before load: --tree auto and --precision auto read the thread count
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    steps = Steps.compiled(args.device, args.compile_prefill, **autotune_options(args.autotune, model, args.device)) \
-        if compiled else EAGER
+    options = autotune_options(args.autotune, model, args.device)
+    if governor is not None and governor.enabled and compiled:  # inductor's kernels follow the thread count
+        options["inductor_config"] = {**options.get("inductor_config", {}), "cpp.dynamic_threads": True}
+    steps = Steps.compiled(args.device, args.compile_prefill, **options) if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:
             warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling)
-        return chat(session, tokenizer, args, sampling)
+        return chat(session, tokenizer, args, sampling, governor)
     templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": args.prompt}]
@@ -776,7 +845,7 @@ def main(argv=None):
         if not templated:
             print(args.prompt, end="", flush=True)
         out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids,
-                                      on_tokens=streamer(tokenizer))
+                                      on_tokens=streamer(tokenizer, governor))
         print(flush=True)
         print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
 

@@ -805,6 +805,7 @@ def run_cli_in_process(argv, monkeypatch, capsys):
     (a process costs 5-15 s of imports and loading here). Returns (exit status, stdout, stderr) as the
     process would; an exception the wrapper lets through fails the test with its traceback."""
     monkeypatch.setattr(sys, "argv", ["generate.py", *map(str, argv)])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's setting wins: no thread governor in the test process
     capsys.readouterr()
     try:
         runpy.run_path(str(REPO_ROOT / "generate.py"), run_name="__main__")
