@@ -29,10 +29,11 @@ from torch import Tensor
 
 from eagle_head import EagleHead, load_head
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer, causal_mask
-from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, parse_tree,
-                  tree_attention_mask)
+from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, instruction_set,
+                  parse_tree, tree_attention_mask)
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
+REFERENCE_PROFILES = DEFAULT_HEAD / "cost_profiles"  # profile_costs.py's JSON from each kind of machine measured
 
 
 class UsageError(ValueError):
@@ -608,13 +609,29 @@ def profile_model(config: ModelArgs) -> str:
 
 
 def cost_profile(config: ModelArgs) -> tuple:
-    """(path, this machine's cost profile at this thread count for a target of config's shape, or None, and
-    the shape the profile there holds when it is another model's, else None)."""
-    path = cost_profile_path(torch.get_num_threads())
+    """(path, the cost profile at this thread count for a target of config's shape, or None, and the shape the
+    machine's own profile holds when it is another model's, else None). This machine's own profile
+    (scripts/profile_costs.py), else the shipped reference profile of this instruction set and thread count
+    (REFERENCE_PROFILES, measured on a machine of that kind) when it is of this model."""
+    threads = torch.get_num_threads()
+    path = cost_profile_path(threads)
     profile = json.loads(path.read_text()) if path.is_file() else None
     measured = profile and profile.get("model", "not recorded: profiled before profiles named their model")
     other = measured if profile and measured != profile_model(config) else None
+    reference = REFERENCE_PROFILES / f"{instruction_set()}-t{threads}.json"
+    if (profile is None or other) and reference.is_file():
+        shipped = json.loads(reference.read_text())
+        if shipped.get("model") == profile_model(config):
+            return reference, shipped, None
     return path, None if other else profile, other
+
+
+def profile_source(path: Path) -> str:
+    """Which profile a choice came from, for its status line."""
+    if path.parent == REFERENCE_PROFILES:
+        return (f"reference cost profile {path.stem} of the shipped head; python scripts/profile_costs.py "
+                f"--threads {torch.get_num_threads()} measures this machine's own")
+    return f"this machine's cost profile {path.name}"
 
 
 def profile_hint(other: Optional[str]) -> str:
@@ -628,16 +645,17 @@ def profile_hint(other: Optional[str]) -> str:
 def cycle_models(head_dir: Path, model: Transformer, device: str):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
-    scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict), or (None, why not: one line)."""
+    scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict, the profile's path), or (None, why not:
+    one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
-    _, profile, other = cost_profile(model.config)
+    path, profile, other = cost_profile(model.config)
     costs = profile if device == "cpu" and profile else {"precisions": {}}
     if not acceptance.is_file():
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
-                      f"{head_dir} writes it")
+                      f"{head_dir} writes it"), None
     if precision not in costs["precisions"]:
-        return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}"
-    return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text())
+        return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}", None
+    return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text()), path
 
 
 def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True) -> str:
@@ -668,14 +686,14 @@ def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool 
     cycle_models; chain-1 with a one-line hint when either model is missing. The context branch only when
     greedy: its match counts are greedy ones, and sampled text repeats itself less (on the 80 MT-bench first
     turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran at 1.04x)."""
-    costs, acceptance = cycle_models(head_dir, model, device)
+    costs, acceptance, path = cycle_models(head_dir, model, device)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return "chain-1"
     best = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN,
                      lookup_joints=acceptance.get("lookup", {}).get("joints") if greedy else None)
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}, {torch.get_num_threads()} threads)", file=sys.stderr)
+          f"{precision_of(model)}, {torch.get_num_threads()} threads; {profile_source(path)})", file=sys.stderr)
     return best.spec
 
 

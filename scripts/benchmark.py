@@ -490,7 +490,7 @@ def predicted_against_measured(group: dict, methods: list, targets: dict, runs: 
         twin = f"vanilla-{m.dtype}-compiled"
         if m.kind != "eagle" or not m.compiled or m.tree.startswith("dynamic") or twin not in {x.name for x in methods}:
             continue
-        costs, acceptance = generate.cycle_models(Path(m.head), targets[m.dtype], device)
+        costs, acceptance, _ = generate.cycle_models(Path(m.head), targets[m.dtype], device)
         if costs is None:
             continue
         tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joints"))

@@ -317,6 +317,7 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
     import generate
 
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")  # a machine of no kind met
     config = generate.ModelArgs()  # the default model's shape
     with pytest.raises(generate.UsageError, match="profile_costs.py --threads"):
         generate.fastest_precision(config, None)
@@ -336,3 +337,33 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
     for argv in (["--precision", "auto", "--quantize", "int4"], ["--precision", "bf16", "--dtype", "float32"]):
         with pytest.raises(generate.UsageError, match="--precision replaces"):
             generate.parse_args(argv)
+
+
+def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatch, capsys):
+    """A fresh machine (no profile under $HOME) of an instruction set and thread count a shipped reference
+    profile was measured at: --tree auto chooses from it and says so; of another thread count, or where the
+    machine has its own profile, that one (or none) is used instead."""
+    import generate
+    from model import ModelArgs
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shipped = sorted(generate.REFERENCE_PROFILES.glob("*.json"))
+    assert shipped, "the shipped head has no reference cost profiles"
+    reference = json.loads(shipped[0].read_text())
+    isa, threads = reference["isa"], reference["threads"]
+    monkeypatch.setattr(generate, "instruction_set", lambda: isa)
+    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
+    config = ModelArgs()  # the default model's shape, what the reference profiles were measured on
+    assert generate.profile_model(config) == reference["model"]
+    path, profile, other = generate.cost_profile(config)
+    assert path == shipped[0] and profile["precisions"] == reference["precisions"] and other is None
+    assert "reference cost profile" in generate.profile_source(path)
+    assert generate.cost_profile(ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96,
+                                           vocab_size=128))[1] is None  # another model: not its profile
+    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: 7)
+    assert generate.cost_profile(config)[1] is None  # no reference at 7 threads
+    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
+    own = tree.cost_profile_path(threads)
+    own.parent.mkdir(parents=True)
+    own.write_text(json.dumps({**reference, "precisions": {"int4": reference["precisions"]["int4"]}}))
+    assert generate.cost_profile(config)[0] == own  # this machine's own profile comes first
