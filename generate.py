@@ -583,8 +583,9 @@ def load(args):
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
-        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0)) if auto
-                else tree).to(args.device)
+        mode = "dynamic" if args.compile or args.compile_prefill else "eager"
+        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0, (head, mode)))
+                if auto else tree).to(args.device)
     return model, tokenizer, head, tree
 
 
@@ -628,9 +629,10 @@ def cost_profile(config: ModelArgs) -> tuple:
 
 def profile_source(path: Path) -> str:
     """Which profile a choice came from, for its status line."""
-    if path.parent == REFERENCE_PROFILES:
-        return (f"reference cost profile {path.stem} of the shipped head; python scripts/profile_costs.py "
-                f"--threads {torch.get_num_threads()} measures this machine's own")
+    if path.parent == REFERENCE_PROFILES or path.name.startswith("calibration-"):
+        what = f"reference cost profile {path.stem} of the shipped head" if path.parent == REFERENCE_PROFILES else \
+            f"this machine's quick calibration {path.name}"
+        return f"{what}; python scripts/profile_costs.py --threads {torch.get_num_threads()} measures it in full"
     return f"this machine's cost profile {path.name}"
 
 
@@ -642,11 +644,41 @@ def profile_hint(other: Optional[str]) -> str:
             "--checkpoint DIR --eagle_head DIR measures this one")
 
 
-def cycle_models(head_dir: Path, model: Transformer, device: str):
+def calibrated_costs(model: Transformer, head: EagleHead, mode: str):
+    """(CycleCosts, path) of this machine's quick calibration at the model's precision and this thread count, run now
+    and cached if missing (scripts/profile_costs.calibrate: seconds eager, about half a minute compiled, once);
+    None for an EAGLE-3 head, which profile_costs cannot time."""
+    from eagle_head import Eagle3Head
+
+    if isinstance(head, Eagle3Head):
+        return None
+    precision = precision_of(model)
+    path = cost_profile_path(torch.get_num_threads()).with_name(
+        cost_profile_path(torch.get_num_threads()).name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
+    profile = json.loads(path.read_text()) if path.is_file() else {}
+    if profile.get("model") != profile_model(model.config) or precision not in profile.get("precisions", {}):
+        from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
+
+        print(f"tree auto: no cost profile of this machine for {precision} at {torch.get_num_threads()} threads; "
+              f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)
+        if head.lm_head is None:
+            head.bind(model.output.weight)
+        fresh = calibrate(model, head, precision, mode)
+        if profile.get("model") == fresh["model"]:
+            fresh["precisions"] = {**profile["precisions"], **fresh["precisions"]}
+        profile = fresh
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile, indent=1))
+        print(f"{profile['wall_s']:.0f} s", file=sys.stderr)
+    return CycleCosts.from_profile(profile, precision), path
+
+
+def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
-    scripts/train_eagle.py eval). Returns (CycleCosts, acceptance dict, the profile's path), or (None, why not:
-    one line, None)."""
+    scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
+    calibration of this machine (calibrated_costs). Returns (CycleCosts, acceptance dict, the profile's path), or
+    (None, why not: one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
     path, profile, other = cost_profile(model.config)
     costs = profile if device == "cpu" and profile else {"precisions": {}}
@@ -654,7 +686,10 @@ def cycle_models(head_dir: Path, model: Transformer, device: str):
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it"), None
     if precision not in costs["precisions"]:
-        return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}", None
+        calibrated = calibrated_costs(model, *calibrate_with) if calibrate_with and device == "cpu" else None
+        if calibrated is None:
+            return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}", None
+        return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
     return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text()), path
 
 
@@ -681,12 +716,13 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     return best
 
 
-def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool = True):
+def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
+                  calibrate_with: Optional[tuple] = None):
     """--tree auto: the spec of the static tree (and context branch) tree.auto_tree predicts fastest from
     cycle_models; chain-1 with a one-line hint when either model is missing. The context branch only when
     greedy: its match counts are greedy ones, and sampled text repeats itself less (on the 80 MT-bench first
     turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran at 1.04x)."""
-    costs, acceptance, path = cycle_models(head_dir, model, device)
+    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return "chain-1"

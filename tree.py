@@ -474,7 +474,9 @@ def auto_tree(p, costs: CycleCosts, max_nodes: int = 64, margin: float = 0.0, lo
     the length of its context branch (0 included), head and context nodes counted together. Its
     predicted speedup over vanilla = (tau / cycle_ms) * decode_ms; below 1 vanilla decoding is predicted
     faster than any tree. With `margin` > 0 a tree must be predicted that much faster than every smaller
-    one to be chosen (the smallest within margin of the best wins): the model's error then decides nothing."""
+    one to be chosen (the smallest within margin of the best wins): the model's error then decides nothing.
+    Never more nodes than the verify curve was measured for (past its last point it is only extrapolated)."""
+    max_nodes = min(max_nodes, costs.curves["verify"][-1][0] - 1)
     candidates = []
     chains = [chain(n) for n in range(1, min(len(p), max_nodes) + 1)]
     for depth_cap in range(1, len(p) + 1):

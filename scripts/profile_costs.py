@@ -126,18 +126,22 @@ class Pieces:
         self.checkpoint = checkpoint_dir / name
         if dtype is None:  # quantize.py's files
             from quantize import load_quantized
-            self.model = load_quantized(self.checkpoint)
+            model = load_quantized(self.checkpoint)
         else:
-            self.model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
-        dtype = self.model.tok_embeddings.weight.dtype
-        self.head = EagleHead.load(head_dir, dtype=dtype)
-        self.head.check_fits(self.model.config, self.model.config.vocab_size)
-        if getattr(self.model, "quantization", None) is not None:
+            model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
+        head = EagleHead.load(head_dir, dtype=model.tok_embeddings.weight.dtype)
+        head.check_fits(model.config, model.config.vocab_size)
+        if getattr(model, "quantization", None) is not None:
             from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
-            quantize_head_like(self.head, self.model)
+            quantize_head_like(head, model)
         else:
-            self.head.bind(self.model.output.weight)
-        slots = PREFIX + max(ROWS) + 16
+            head.bind(model.output.weight)
+        self.prepare(model, head, mode, precision, max(ROWS))
+
+    def prepare(self, model, head, mode: str, tag: str, max_rows: int):
+        """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled."""
+        self.model, self.head = model, head
+        slots = PREFIX + max_rows + 16
         self.model.setup_caches(1, slots)
         self.head.setup_caches(slots)
         g = torch.Generator().manual_seed(0)
@@ -148,14 +152,22 @@ class Pieces:
         self.feature = feats[:, -1:]
         self.steps = {"verify": verify_rows, "draft": draft_rows, "update": update_rows}
         if mode != "eager":
-            self.steps = {k: compiled(f, precision) for k, f in self.steps.items()}
+            self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
+
+    @classmethod
+    def of(cls, model, head, mode: str, tag: str, max_rows: int) -> "Pieces":
+        """Pieces of a target and head already loaded and bound (generate.py's, for a calibration)."""
+        pieces = cls.__new__(cls)
+        pieces.checkpoint = None
+        pieces.prepare(model, head, mode, tag, max_rows)
+        return pieces
 
     def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
         """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension
         marked dynamic, or with rows_dynamic False only the cache slots, as generate.py does)."""
         steps = steps or self.steps
         pos = torch.arange(PREFIX, PREFIX + rows)
-        tokens = torch.randint(0, 1000, (1, rows))
+        tokens = torch.randint(0, min(1000, self.model.config.vocab_size), (1, rows))
         mask = causal_mask(pos, PREFIX + rows)
         if piece == "verify":
             dynamic(*([(tokens, [1]), (pos, [0]), (mask, [0, 1])] if rows_dynamic else [(mask, [1])]))
@@ -170,6 +182,41 @@ class Pieces:
         caches = self.model.kv_caches()  # move: as Session's commit, eager
         src, dst = pos + rows, pos
         return lambda: [c.move(src, dst) for c in caches]
+
+
+CALIBRATION_ROWS = {"verify": [1, 2, 3, 4, 6, 8, 12, 16], "draft": [1, 2, 4, 8], "update": [2, 3, 4, 5],
+                    "move": [2, 3, 4, 5]}
+CALIBRATION_REPS = 5
+# a cycle's and a vanilla step's host work beyond their forwards, measured on AVX-512 BF16 (int4 compiled, one
+# thread: chain-1's phases less its forwards, results/2026-12-01-cycle-overheads); main()'s defaults
+OVERHEAD_MS, DECODE_OVERHEAD_MS = 0.8, 0.25
+
+
+@torch.no_grad()
+def calibrate(model, head, precision: str, mode: str) -> dict:
+    """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
+    pieces at CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve can choose from), medians of
+    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is. Seconds eager, about
+    half a minute compiled; generate.py caches it. main()'s full profile replaces it."""
+    from generate import profile_model
+
+    start = time.perf_counter()
+    pieces = Pieces.of(model, head, mode, f"calibration_{precision}", max(CALIBRATION_ROWS["verify"]))
+    jobs = {}
+    for piece, rows in CALIBRATION_ROWS.items():
+        for n in rows:
+            jobs[piece, n] = pieces.call(piece, n)
+            jobs[piece, n]()  # compiles (once per piece, and for one row) and warms up
+    medians, _ = timed_round_robin(jobs, CALIBRATION_REPS)
+    return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
+            "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
+            "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
+            "reps": CALIBRATION_REPS, "prefix_len": PREFIX, "overhead_ms": OVERHEAD_MS,
+            "decode_overhead_ms": DECODE_OVERHEAD_MS,
+            "precisions": {precision: {f"{piece}_ms": {str(n): medians[piece, n] for n in rows}
+                                       for piece, rows in CALIBRATION_ROWS.items()}},
+            "wall_s": round(time.perf_counter() - start, 1)}
 
 
 def shown(path: Path) -> str:
@@ -240,8 +287,9 @@ def main(argv=None):
     # defaults: AVX-512 BF16, int4 compiled, one thread: chain-1's phases (draft 0.1 + verify 16.7 + commit 1.9 ms,
     # results/2026-11-30-amd-epyc-2cpu-avx512-bf16-mtbench80-v8) less its forwards (verify 16.86, head update 1.16,
     # results/2026-12-01-cycle-overheads); vanilla's decode phase 14.0 less its forward 13.76
-    p.add_argument("--overhead_ms", type=float, default=0.8, help="host work of a cycle beyond its forwards")
-    p.add_argument("--decode_overhead_ms", type=float, default=0.25, help="host work of a vanilla step beyond its forward")
+    p.add_argument("--overhead_ms", type=float, default=OVERHEAD_MS, help="host work of a cycle beyond its forwards")
+    p.add_argument("--decode_overhead_ms", type=float, default=DECODE_OVERHEAD_MS,
+                   help="host work of a vanilla step beyond its forward")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
                    help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled with "

@@ -367,3 +367,32 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
     own.parent.mkdir(parents=True)
     own.write_text(json.dumps({**reference, "precisions": {"int4": reference["precisions"]["int4"]}}))
     assert generate.cost_profile(config)[0] == own  # this machine's own profile comes first
+
+
+def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys):
+    """No profile of its own and no reference for this kind of machine: the run times the pieces of a cycle on
+    the loaded target and head (scripts/profile_costs.calibrate), keeps the result, chooses a tree from it and
+    says so; the next run reuses it without timing again. The chosen tree stays lossless."""
+    import torch
+
+    import generate
+    from test_eagle import copycat_head, tiny_prompts, tiny_target, vanilla_greedy
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
+    model = tiny_target()
+    head = copycat_head(model)
+    (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.6, 0.15, 0.08, 0.05]] * 6}))
+    with torch.no_grad():
+        spec = generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
+    err = capsys.readouterr().err
+    assert "calibrating (once" in err and "this machine's quick calibration calibration-" in err, err
+    saved = json.loads(next((tmp_path / ".cache" / "eagle-fast").glob("calibration-*-eager.json")).read_text())
+    assert saved["model"] == generate.profile_model(model.config) and set(saved["precisions"]) == {"fp32"}
+    assert all(v > 0 for v in saved["precisions"]["fp32"]["verify_ms"].values())
+    with torch.no_grad():
+        assert generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager")) == spec
+    assert "calibrating" not in capsys.readouterr().err
+    prompt = tiny_prompts(1, model.config.vocab_size, seed=3)[0]
+    out, _ = generate.Session(model, 64, head, tree.parse_tree(spec)).generate(prompt, 20, generate.Sampling())
+    assert out == vanilla_greedy(model, prompt, 20)
