@@ -102,9 +102,9 @@ class Engine:
     def __init__(self, model: Transformer, batch_size: int, max_len: int, compile: bool = False, seed: int = 0,
                  groups: int = 0, sort_every: int = 32, cut_loops: bool = False):
         """groups: the batch's attention runs in this many groups of consecutive rows, each over the slots of its
-        longest row (default: one per 16 rows), rows sorted by length every sort_every steps; one group would
-        make every row read as many slots as the longest (measured: 2x the step time of the whole batch with
-        rows of 100-1000 tokens)."""
+        longest row (default: one per 16 rows), rows sorted by length every sort_every steps; with one group
+        every row reads as many slots as the longest (B=64, rows of 100-1000 tokens, bf16, one thread: 580 ms a
+        step with one group, 430 with four)."""
         self.model, self.batch_size, self.max_len = model, batch_size, max_len
         self.groups = groups or max(1, batch_size // 16)
         if batch_size % self.groups:
@@ -120,9 +120,8 @@ class Engine:
     @torch.no_grad()
     def prefill(self, b: int, request: Request):
         row = self.rows[b]
-        common = next((i for i, (x, y) in enumerate(zip(row.cached, request.prompt)) if x != y),
-                      min(len(row.cached), len(request.prompt)))
-        common = min(common, len(request.prompt) - 1)  # at least one token to run: its logits are the answer's first
+        # at least one token to run: its logits give the answer's first
+        common = min(common_prefix(row.cached, request.prompt), len(request.prompt) - 1)
         new = torch.tensor(request.prompt[common:], device=self.device)
         pos = torch.arange(common, len(request.prompt), device=self.device)
         with self.model.cache_row(b):
