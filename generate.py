@@ -840,7 +840,9 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--autotune", choices=["auto", "on", "off"], default="auto", help="with --compile: inductor's "
                    "max-autotune GEMM kernels (auto: where scripts/profile_costs.py --autotune measured them faster)")
-    p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding")
+    p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding: in fp32 the same greedy text "
+                   "as without it; in bf16 / int4 the texts may part where the two best tokens tie within bf16 "
+                   "rounding (README)")
     p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
     p.add_argument("--tree", default="auto", help="auto | chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
                    "(auto: the tree predicted fastest on this machine, see auto_tree_for)")
