@@ -646,7 +646,7 @@ def profile_hint(other: Optional[str]) -> str:
 
 def calibrated_costs(model: Transformer, head: EagleHead, mode: str):
     """(CycleCosts, path) of this machine's quick calibration at the model's precision and this thread count, run now
-    and cached if missing (scripts/profile_costs.calibrate: seconds eager, about half a minute compiled, once);
+    and cached if missing (scripts/profile_costs.calibrate: seconds eager, minutes compiled, once);
     None for an EAGLE-3 head, which profile_costs cannot time."""
     from eagle_head import Eagle3Head
 

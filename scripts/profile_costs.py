@@ -196,8 +196,8 @@ OVERHEAD_MS, DECODE_OVERHEAD_MS = 0.8, 0.25
 def calibrate(model, head, precision: str, mode: str) -> dict:
     """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
     pieces at CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve can choose from), medians of
-    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is. Seconds eager, about
-    half a minute compiled; generate.py caches it. main()'s full profile replaces it."""
+    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is. 6 s eager for int4
+    here, 4 min compiled (with the cores shared); generate.py caches it. main()'s full profile replaces it."""
     from generate import profile_model
 
     start = time.perf_counter()
