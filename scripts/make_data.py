@@ -150,7 +150,9 @@ class Engine:
             if self.steps % self.sort_every == 0:
                 self.sort_rows()
             live = [row.request is not None for row in self.rows]
-            pos = [len(row.cached) if alive else 0 for row, alive in zip(self.rows, live)]  # a parked row: slot 0
+            # a parked row (no request left) runs at slot 1: a group of parked rows then reads 2 slots, where
+            # 1 would make Dynamo specialise that group's dynamic slot count and compile again
+            pos = [len(row.cached) if alive else 1 for row, alive in zip(self.rows, live)]
             tokens = torch.tensor([[row.pending if alive else 0] for row, alive in zip(self.rows, live)])
             input_pos = torch.tensor(pos, device=self.device)[:, None]
             n = self.batch_size // self.groups

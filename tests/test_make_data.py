@@ -32,9 +32,9 @@ def session_answers(model, requests, stop_ids):
     return out
 
 
-def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False):
+def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False, groups=0):
     queue, got = list(requests), {}
-    engine = Engine(model, batch_size, max_len, compile=compile)
+    engine = Engine(model, batch_size, max_len, compile=compile, groups=groups)
     engine.run(lambda cached: queue.pop(0) if queue else None,
                lambda request, answer, reason: got.__setitem__(request.key, (list(answer), reason)), stop_ids)
     return [got[r.key] for r in requests], engine
@@ -60,8 +60,8 @@ def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     full = Request(list(range(1, 13)), 30, Sampling(), key="fills the cache")  # 12 + 30 > max_len 40
     ref.append(session_answers(model, [full], stop)[0][:40 - 12])
-    got, engine = engine_answers(model, requests + [full], 3, 40, stop, compile=compile)
-    assert [a for a, _ in got] == ref
+    got, engine = engine_answers(model, requests + [full], 4, 40, stop, compile=compile, groups=2)
+    assert [a for a, _ in got] == ref  # two attention groups: one parks while the other runs, as at a run's end
     assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
     assert engine.answer_tokens == sum(map(len, ref))
 
