@@ -251,7 +251,9 @@ class ThreadGovernor:
     seconds while generating (check() between steps). An OpenMP thread on a core another process holds stalls
     every barrier of every step: a vanilla step ran 10x slower at 2 threads with one core busy than at 1
     (issue 29), and no waiting policy is free when idle. Other processes' load is all CPUs' busy time less
-    this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default."""
+    this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default.
+    torch.set_num_threads reaches ATen's kernels at once; inductor's compiled kernels keep the count they were
+    compiled for (the small ones: the matmuls are ATen's or torchao's)."""
 
     def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
         self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock
@@ -879,10 +881,11 @@ def main(argv=None):
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    options = autotune_options(args.autotune, model, args.device)
-    if governor is not None and governor.enabled and compiled:  # inductor's kernels follow the thread count
-        options["inductor_config"] = {**options.get("inductor_config", {}), "cpp.dynamic_threads": True}
-    steps = Steps.compiled(args.device, args.compile_prefill, **options) if compiled else EAGER
+    # with the governor, inductor's own kernels stay compiled for every core and ATen's (the matmuls) follow the
+    # thread count: idle and with one core taken that measured as fast as inductor's cpp.dynamic_threads or
+    # faster (results/2026-12-01-threads-under-load-avx512-bf16)
+    steps = Steps.compiled(args.device, args.compile_prefill, **autotune_options(args.autotune, model, args.device)) \
+        if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:
