@@ -655,8 +655,8 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str):
     if isinstance(head, Eagle3Head):
         return None
     precision = precision_of(model)
-    path = cost_profile_path(torch.get_num_threads()).with_name(
-        cost_profile_path(torch.get_num_threads()).name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
+    full = cost_profile_path(torch.get_num_threads())  # costs-<key>.json: the calibration sits beside it
+    path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
     profile = json.loads(path.read_text()) if path.is_file() else {}
     if profile.get("model") != profile_model(model.config) or precision not in profile.get("precisions", {}):
         from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
@@ -690,7 +690,8 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
     if precision not in costs["precisions"]:
         calibrated = calibrated_costs(model, *calibrate_with) if calibrate_with and device == "cpu" else None
         if calibrated is None:
-            return None, f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}", None
+            why = f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}"
+            return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
     return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text()), path
 

@@ -190,8 +190,8 @@ class Transformer(nn.Module):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
         slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache). A tuple of G masks
-        [B / G, 1, T, S_g]: consecutive groups of rows, each reading its own S_g slots (batched decoding). rope_pos: rotary
-        positions shaped like input_pos (default: input_pos; tree nodes differ).
+        [B / G, 1, T, S_g]: consecutive groups of rows, each reading its own S_g slots (batched decoding).
+        rope_pos: rotary positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
         hidden states, the input of the LM head. With `feature_layers` set, features are instead the
@@ -357,7 +357,8 @@ def llama3_scale_frequencies(inv_freq: Tensor, scaling: dict) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, heads, head_dim]; cos/sin [T or B, T, head_dim//2]."""
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [B, T, heads, head_dim]; cos/sin [T, head_dim//2] (or
+    [B, T, head_dim//2]: per-row positions)."""
     xs = x.reshape(*x.shape[:-1], -1, 2)
     x0, x1 = xs[..., 0], xs[..., 1]
     cos, sin = cos[..., None, :], sin[..., None, :]

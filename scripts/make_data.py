@@ -260,10 +260,11 @@ def read_chunk(manifest_path: Path, target_hash: Optional[str] = None) -> list:
                         f"this target {target_hash}); make data with this target")
     cols, records, at = manifest["columns"], [], 0
     for r in range(manifest["records"]):
-        tail, answer = ids[at: at + cols["tail_len"][r]], ids[at + cols["tail_len"][r]: at + cols["tail_len"][r] + cols["answer_len"][r]]
-        at += cols["tail_len"][r] + cols["answer_len"][r]
-        parent = cols["parent"][r]
-        prompt = (records[parent]["prompt"] + records[parent]["answer"])[: cols["keep"][r]] + tail if parent >= 0 else tail
+        n_tail, n_answer, parent = cols["tail_len"][r], cols["answer_len"][r], cols["parent"][r]
+        tail, answer = ids[at: at + n_tail], ids[at + n_tail: at + n_tail + n_answer]
+        at += n_tail + n_answer
+        kept = (records[parent]["prompt"] + records[parent]["answer"])[: cols["keep"][r]] if parent >= 0 else []
+        prompt = kept + tail
         records.append({"prompt": prompt, "answer": answer, "conversation": cols["conversation"][r],
                         "turn": cols["turn"][r], "finish": cols["finish"][r],
                         "temperature": manifest["sampling"]["temperature"]})
