@@ -122,6 +122,16 @@ def test_batched_rows_match_single_rows():
             torch.testing.assert_close(logits[b, -1], expected[0, -1], atol=1e-5, rtol=0)
 
 
+def tiny_checkpoint_with_tokenizer(tmp_path, default_checkpoint):
+    """A tiny target's checkpoint directory with the default model's tokenizer (its vocabulary: 49152)."""
+    ckpt_dir = tmp_path / "tiny"
+    target = tiny_target(vocab_size=49152)
+    write_checkpoint(ckpt_dir, target, hf_config(target.config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_checkpoint.parent / name, ckpt_dir / name)
+    return ckpt_dir
+
+
 def conversations_with_records():
     a = Conversation(5, ["hi", "more"])
     a.records = [([1, 2, 3], [4, 5, 2], "stop"), ([1, 2, 3, 4, 5, 2, 9, 9], [6, 7], "length")]
@@ -150,11 +160,7 @@ def test_chunk_round_trip_and_refusals(tmp_path):
 def test_make_data_resumes(tmp_path, default_checkpoint, capsys):
     """Two chunks of real ShareGPT conversations answered by a tiny target with the default tokenizer; a second
     run has nothing to do; a deleted chunk is made again, the other is left alone."""
-    ckpt_dir = tmp_path / "tiny"
-    target = tiny_target(vocab_size=49152)
-    write_checkpoint(ckpt_dir, target, hf_config(target.config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint.parent / name, ckpt_dir / name)
+    ckpt_dir = tiny_checkpoint_with_tokenizer(tmp_path, default_checkpoint)
     out = tmp_path / "data"
     args = ["--checkpoint", str(ckpt_dir / "model.pth"), "--out", str(out), "--conversations", "4", "--chunk", "2",
             "--batch_size", "3", "--max_new_tokens", "6", "--max_len", "400", "--no-compile", "--dtype", "float32"]
@@ -207,11 +213,7 @@ def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
 def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint):
     """--heldout answers the first (never trained on) conversations into OUT/heldout/, which training reads as
     its evaluation set and load_answers(OUT) leaves out."""
-    ckpt_dir = tmp_path / "tiny"
-    target = tiny_target(vocab_size=49152)
-    write_checkpoint(ckpt_dir, target, hf_config(target.config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_checkpoint.parent / name, ckpt_dir / name)
+    ckpt_dir = tiny_checkpoint_with_tokenizer(tmp_path, default_checkpoint)
     out = tmp_path / "data"
     make_data.main(["--checkpoint", str(ckpt_dir / "model.pth"), "--out", str(out), "--conversations", "2",
                     "--batch_size", "2", "--max_new_tokens", "4", "--max_len", "400", "--no-compile",
