@@ -173,11 +173,12 @@ class Transformer(nn.Module):
             for cache, (k, v) in zip(self.kv_caches(), full):
                 cache.k_cache, cache.v_cache = k, v
 
-    def reorder_batch_rows(self, order: Tensor):
-        """Batch row i of the KV caches becomes what row order[i] was (in place: the buffers stay the same)."""
+    def move_batch_rows(self, src: Tensor, dst: Tensor, slots: int):
+        """Batch row dst[i] of the KV caches becomes what row src[i] was, in its first `slots` slots (in place:
+        the buffers stay the same; src and dst may overlap, as in a permutation of rows)."""
         for cache in self.kv_caches():
-            cache.k_cache.copy_(cache.k_cache[order])
-            cache.v_cache.copy_(cache.v_cache[order])
+            cache.k_cache[dst, :, :slots] = cache.k_cache[src, :, :slots]
+            cache.v_cache[dst, :, :slots] = cache.v_cache[src, :, :slots]
 
     def keep_batch_rows(self, rows: Tensor):
         """Keep only these batch rows (indices or a bool mask) of the KV caches: finished sequences leave."""

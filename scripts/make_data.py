@@ -177,11 +177,29 @@ class Engine:
             on_step(self)
 
     def sort_rows(self):
-        """Rows (and their caches) in order of length, so that each attention group's rows are alike."""
-        order = sorted(range(self.batch_size), key=lambda b: -len(self.rows[b].cached) if self.rows[b].request else 1)
-        if order != list(range(self.batch_size)):
-            self.model.reorder_batch_rows(torch.tensor(order, device=self.device))
-            self.rows = [self.rows[b] for b in order]
+        """Regroup rows by length, so that each attention group's rows are alike: the longest n rows make the
+        first group, and so on. A row already in its group stays; only the others move, and only their live
+        slots are copied (copying whole caches every 32 steps took 17% of a batch-64 run)."""
+        n = self.batch_size // self.groups
+        length = [len(row.cached) if row.request else 0 for row in self.rows]
+        ranked = sorted(range(self.batch_size), key=lambda b: (-length[b], b))
+        target = {b: rank // n for rank, b in enumerate(ranked)}
+        incoming = [[] for _ in range(self.groups)]  # rows bound for group g from elsewhere
+        vacated = [[] for _ in range(self.groups)]  # slots of group g whose rows leave it
+        for b in range(self.batch_size):
+            if target[b] != b // n:
+                incoming[target[b]].append(b)
+                vacated[b // n].append(b)
+        moves = [(src, dst) for g in range(self.groups) for src, dst in zip(incoming[g], vacated[g])]
+        if not moves:
+            return
+        src, dst = zip(*moves)
+        slots = max(length[b] for b in src) + 1
+        self.model.move_batch_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), slots)
+        rows = list(self.rows)
+        for s, d in moves:
+            rows[d] = self.rows[s]
+        self.rows = rows
 
     def _refill(self, b: int, request: Optional[Request]):
         if request is None or len(request.prompt) + 1 > self.max_len:

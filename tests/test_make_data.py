@@ -32,9 +32,9 @@ def session_answers(model, requests, stop_ids):
     return out
 
 
-def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False, groups=0):
+def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False, groups=0, sort_every=32):
     queue, got = list(requests), {}
-    engine = Engine(model, batch_size, max_len, compile=compile, groups=groups)
+    engine = Engine(model, batch_size, max_len, compile=compile, groups=groups, sort_every=sort_every)
     engine.run(lambda cached: queue.pop(0) if queue else None,
                lambda request, answer, reason: got.__setitem__(request.key, (list(answer), reason)), stop_ids)
     return [got[r.key] for r in requests], engine
@@ -64,6 +64,30 @@ def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
     assert [a for a, _ in got] == ref  # two attention groups: one parks while the other runs, as at a run's end
     assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
     assert engine.answer_tokens == sum(map(len, ref))
+
+
+def test_engine_regroups_rows_by_length():
+    """Regrouping rows every few steps moves only the rows in the wrong group, and only their live slots: the
+    answers stay those of single-sequence generation, and a row already in its group keeps its place."""
+    model = tiny_target()
+    requests = tiny_requests(14, 64, seed=1)
+    ref = session_answers(model, requests, {7})
+    got, engine = engine_answers(model, requests, 6, 40, {7}, groups=3, sort_every=3)
+    assert [a for a, _ in got] == ref
+    lengths = [5, 9, 1, 30, 2, 8]  # groups of 2 rows: {30, 9}, {8, 5}, {2, 1}
+    for b, (row, n) in enumerate(zip(engine.rows, lengths)):
+        row.request, row.cached = requests[0], list(range(n))
+        for cache in model.kv_caches():
+            cache.k_cache[b], cache.v_cache[b] = b, -b
+    before = list(engine.rows)
+    engine.sort_rows()
+    assert [len(r.cached) for r in engine.rows] == [30, 9, 5, 8, 2, 1]
+    assert engine.rows[1] is before[1] and engine.rows[4] is before[4]  # already in their groups: not moved
+    source = [3, 1, 0, 5, 4, 2]
+    for cache in model.kv_caches():
+        for b, src in enumerate(source):
+            n = max(lengths[s] for s in (3, 0, 5, 2)) + 1 if src != b else cache.k_cache.shape[2]
+            assert (cache.k_cache[b, :, :n] == src).all() and (cache.v_cache[b, :, :n] == -src).all()
 
 
 def test_engine_follow_up_reuses_the_row():
