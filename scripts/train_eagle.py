@@ -39,7 +39,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -834,6 +834,25 @@ def warmup_cosine(step: int, lr: float, warmup: int, total: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def conversation_sequences(records: list) -> Iterator[tuple]:
+    """(tokens, loss_mask) lists from make_data records (prompt, answer; loss on the answer). A conversation's
+    later turn whose prompt starts with the whole of its previous turn (prompt + answer) extends that turn's
+    sequence instead of repeating it: the target's features of a causal prefix are the same, and the target
+    pass reads each token once (1.8x fewer tokens on the first 270k answer tokens). Records in file order."""
+    tokens, mask, last = [], [], None
+    for r in records:
+        key = (r["conversation"], r["temperature"])
+        if not (key == last and r["turn"] > 0 and r["prompt"][: len(tokens)] == tokens):
+            if tokens:
+                yield tokens, mask
+            tokens, mask = [], []
+        new = r["prompt"][len(tokens):]
+        tokens, mask = tokens + new + r["answer"], mask + [False] * len(new) + [True] * len(r["answer"])
+        last = key
+    if tokens:
+        yield tokens, mask
+
+
 def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
     """Training and held-out sequences ({"tokens", "loss_mask"} lists, cut to --pack_len): ShareGPT
     conversations rendered with the chat template, held out: the first ones; or with --shards, the token
@@ -850,9 +869,8 @@ def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
         from scripts.make_data import load_answers
 
         def answered(records):
-            return cut({"tokens": torch.tensor(r["prompt"] + r["answer"]),
-                        "loss_mask": torch.tensor([False] * len(r["prompt"]) + [True] * len(r["answer"]))}
-                       for r in records)
+            return cut({"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(mask)}
+                       for tokens, mask in conversation_sequences(records))
 
         train = answered(load_answers(Path(args.answers), target_hash))
         held = answered(load_answers(Path(args.answers) / "heldout", target_hash))
@@ -952,6 +970,8 @@ def cmd_online(args):
         print(json.dumps(row), file=sys.stderr)
 
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
+    if state["step"] == 0 and not state["curve"]:
+        run_eval()  # the starting point: --init's head (or a fresh one) on the same held-out sets
     bar = tqdm(total=total_steps, initial=state["step"], desc=f"{type(head).__name__} ttt-{depth}")
     head.train()
     while state["step"] < total_steps and state["step"] != args.stop_after:

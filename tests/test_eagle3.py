@@ -489,6 +489,7 @@ def test_online_training_saves_resumes_and_lowers_the_loss(tmp_path, monkeypatch
     record = json.loads((tmp_path / "head" / "training_record.json").read_text())
     assert record["ttt_steps"] == 2 and record["tokens_per_s"] > 0 and record["curve"][-1]["step"] == 4
     assert set(record["curve"][-1]) >= {"generated"} and len(record["curve"][-1]["generated"]["top1"]) == 4
+    assert record["curve"][0]["step"] == 0  # the starting head measured on the same sets before the first step
     trained = load_head(tmp_path / "head")
     trained.check_fits(target.config, TINY.vocab_size)
     torch.manual_seed(0)  # the command seeds 0 before it builds its head

@@ -66,6 +66,19 @@ def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
     assert engine.answer_tokens == sum(map(len, ref))
 
 
+def test_engine_in_bf16_keeps_a_bf16_cache_and_answers_as_session():
+    """bf16 weights: the engine's keys and values are bf16 and its compiled step attends with
+    model.decode_attention; the answers equal single-sequence generation of the same bf16 model (fp32 cache,
+    PyTorch's attention) on a model without near-ties."""
+    model = tiny_target().to(torch.bfloat16)
+    requests = tiny_requests(6, 64, seed=2)
+    ref = session_answers(model, requests, {7})
+    torch._dynamo.reset()
+    got, engine = engine_answers(model, requests, 4, 40, {7}, compile=True, groups=2)
+    assert model.kv_caches()[0].k_cache.dtype == torch.bfloat16
+    assert [a for a, _ in got] == ref
+
+
 def test_engine_regroups_rows_by_length():
     """Regrouping rows every few steps moves only the rows in the wrong group, and only their live slots: the
     answers stay those of single-sequence generation, and a row already in its group keeps its place."""
@@ -219,11 +232,15 @@ def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
     args = argparse.Namespace(answers=str(tmp_path), shards=None, pack_len=64, eval_records=4, eval_json=[])
     train, evals = train_eagle.online_sequences(args, make_data.weights_hash(target))
     assert evals == {}  # no heldout/ folder
-    expected = [(p + a, [False] * len(p) + [True] * len(a)) for c in convs for p, a, _ in c.records]
+    F, T = False, True  # a's second turn extends its first (its prompt starts with all of it): one sequence
+    expected = [([1, 2, 3, 4, 5, 2, 9, 9, 6, 7], [F, F, F, T, T, T, F, F, T, T]), ([1, 8, 2], [F, F, T])]
     assert [(s["tokens"], s["loss_mask"]) for s in train] == expected
+    records = [{"conversation": 1, "temperature": 0.0, "turn": 0, "prompt": [1, 2], "answer": [3]},
+               {"conversation": 1, "temperature": 0.0, "turn": 1, "prompt": [1, 2, 4, 5], "answer": [6]}]
+    assert list(train_eagle.conversation_sequences(records)) == [([1, 2, 3], [F, F, T]), ([1, 2, 4, 5, 6], [F, F, F, F, T])]
     with pytest.raises(DataError, match="other weights"):
         train_eagle.online_sequences(args, "another")
-    batch = train_eagle.target_pass(target, EagleHead(target.config), train_eagle.packed_batch(train, [[0, 1, 2]]))
+    batch = train_eagle.target_pass(target, EagleHead(target.config), train_eagle.packed_batch(train, [[0, 1]]))
     at = 0
     for s in train:
         n = len(s["tokens"])
