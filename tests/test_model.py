@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import CheckpointError, ModelArgs, Transformer, causal_mask
+from model import CheckpointError, ModelArgs, Transformer, causal_mask, decode_attention
 
 TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=128)
 TINY_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
@@ -80,6 +80,21 @@ def test_a_mask_over_the_live_slots_only_equals_the_whole_cache_mask(tiny_model)
         pos = torch.tensor([t])
         step_logits, _ = tiny_model(idx[:, t:t + 1], pos, mask=causal_mask(pos, t + 1))
         torch.testing.assert_close(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_decode_attention_equals_sdpa(compile):
+    """The bf16-cache decode attention (one query per row, query heads sharing kv heads, per-row or shared masks)
+    equals PyTorch's attention over the same keys and values in fp32, eager and compiled."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 6, 1, 16, generator=g)
+    k, v = (torch.randn(5, 2, 23, 16, generator=g).bfloat16() for _ in range(2))
+    per_row = torch.arange(23) <= torch.tensor([0, 4, 22, 9, 13])[:, None, None, None]  # [5, 1, 1, 23]
+    attend = torch.compile(decode_attention, fullgraph=True) if compile else decode_attention
+    for mask in (per_row, per_row[2, 0]):  # [B, 1, 1, S] and [1, S]
+        ref = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(attend(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()
