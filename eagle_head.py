@@ -57,12 +57,13 @@ class EagleHead(nn.Module):
         config = ModelArgs(**{**asdict(target_config), "n_layer": 1, "attention_bias": False, "rope_scaling": None})
         return cls(config, fc_bias, input_mode)
 
-    def setup_caches(self, max_seq_len: int, dtype=None):
-        if self.max_seq_len == max_seq_len and self.attention.kv_cache is not None:
+    def setup_caches(self, max_seq_len: int, dtype=None, batch_size: int = 1):
+        cache = self.attention.kv_cache
+        if self.max_seq_len == max_seq_len and cache is not None and cache.k_cache.shape[0] == batch_size:
             return
         weight, c = self.fc.weight, self.config
         dtype = dtype or cache_dtype(weight.dtype, weight.device)
-        self.attention.kv_cache = KVCache(1, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device)
+        self.attention.kv_cache = KVCache(batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device)
         self.setup_rope(max_seq_len)
 
     def setup_rope(self, max_seq_len: int, dtype=None):

@@ -1,0 +1,109 @@
+"""batched.py: B sequences per cycle give each row what a single-sequence Session gives it (greedy, fp32), and
+the sampled rows follow the target's law (G-tests, failing with a broken verifier)."""
+import collections
+
+import pytest
+import torch
+
+import batched
+from batched import BatchedSession
+from generate import Sampling, Session, UsageError
+from test_eagle import (CUSTOM_TREE, E2E_PROMPT, E2E_VOCAB, MAIN_E2E, P_BROKEN, P_PASS, SAMPLING_CONFIGS, VerifierLog,
+                        accept_sampling_without_residual, copycat_head, first_tokens_law, g_test, tiny_prompts,
+                        tiny_target)
+from tree import parse_tree
+
+pytestmark = pytest.mark.usefixtures("lean_torch")
+
+HEAD_NOISE = 1.5  # the copycat head with its attention undamped: a wrong draft mask changes its drafts
+BATCHED_TREES = ["chain-4", "paper", CUSTOM_TREE, "paper+lookup-3", "chain-1+lookup-4"]
+
+
+def session_outputs(model, head, spec, prompts, n, stop_ids):
+    """Each prompt's new tokens and its cycles' accepted drafts, one Session at a time."""
+    outs, accepts = [], []
+    for p in prompts:
+        session = Session(model, len(p) + n, head, None if head is None else parse_tree(spec))
+        out, stats = session.generate(p, n, Sampling(), stop_ids)
+        outs.append(out)
+        accepts.append(stats.accept_lengths)
+    return outs, accepts
+
+
+def stop_token_of(outs: list) -> int:
+    """A token that ends one row early and not the others: rows finish at different steps."""
+    for t in outs[0][3:]:
+        if all(t not in o[: len(outs[0])] for o in outs[1:]):
+            return t
+    return outs[0][3]
+
+
+@pytest.mark.parametrize("spec", [None] + BATCHED_TREES)
+def test_batched_greedy_equals_single_sequences(spec):
+    """Rows of different prompt lengths, one ended early by a stop token, one batch row without a prompt: each
+    row's tokens equal a single-sequence Session's (vanilla when spec is None), and so do the drafts each cycle
+    accepted (output is right whatever the drafts; equal acceptances show the batched draft is the same)."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(3, model.config.vocab_size, seed=3), 24
+    plain, _ = session_outputs(model, head, spec, prompts, n, frozenset())
+    stop = {stop_token_of(plain)}
+    ref, ref_accepts = session_outputs(model, head, spec, prompts, n, stop)
+    assert len(ref[0]) < n and any(len(r) == n for r in ref[1:])  # the rows finish at different steps
+    session = BatchedSession(model, max(map(len, prompts)) + n, 4, head, None if spec is None else parse_tree(spec))
+    out, stats = session.generate(prompts, n, Sampling(), stop)
+    assert out == ref
+    assert stats.new_tokens == [len(r) for r in ref]
+    if spec is not None:  # the same drafts as each row's own session: the same acceptances, cycle by cycle
+        assert stats.accept_lengths == ref_accepts
+        assert max(map(max, ref_accepts)) >= 2 and stats.target_forwards == max(map(len, ref_accepts))
+
+
+def test_batched_session_refuses_bad_input():
+    model = tiny_target()
+    with pytest.raises(UsageError, match="static trees"):
+        BatchedSession(model, 32, 2, copycat_head(model), parse_tree("dynamic-4-4-12"))
+    session = BatchedSession(model, 32, 2)
+    with pytest.raises(UsageError, match="3 prompts for a batch of 2"):
+        session.generate([[1], [2], [3]], 4, Sampling())
+    with pytest.raises(UsageError, match="empty"):
+        session.generate([[1], []], 4, Sampling())
+    with pytest.raises(UsageError, match="max_seq_len"):
+        session.generate([[1] * 30], 4, Sampling())
+
+
+# ---------------------------------------------------------------- sampling: the target's law in every row
+BATCH_SAMPLES = 12_000  # sampled rows in all, half per prompt
+OTHER_PROMPT = [3, 6, 1, 1, 4]
+
+
+def batched_sampling(config, verifier, monkeypatch, seed=0):
+    """G-test p-values of the first three new tokens of rows of two prompts (alternating in a batch of 4),
+    one generate call per batch, and the verifier's counts."""
+    spec, sampling = SAMPLING_CONFIGS[config]
+    model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
+    head = copycat_head(model)
+    prompts = [E2E_PROMPT, OTHER_PROMPT] * 2
+    laws = [first_tokens_law(model, p, sampling) for p in prompts[:2]]
+    log = VerifierLog(verifier)
+    monkeypatch.setattr(batched, "accept_sampling", log)
+    session = BatchedSession(model, len(OTHER_PROMPT) + 3, len(prompts), head, parse_tree(spec))
+    torch.manual_seed(seed)
+    observed = [collections.Counter(), collections.Counter()]
+    for _ in range(BATCH_SAMPLES // len(prompts)):
+        outs, _ = session.generate(prompts, 3, sampling)
+        for i, out in enumerate(outs):
+            observed[i % 2][tuple(out)] += 1
+    return [g_test(o, law) for o, law in zip(observed, laws)], log.counts
+
+
+def test_batched_sampling_is_lossless(monkeypatch):
+    ps, counts = batched_sampling(MAIN_E2E, batched.accept_sampling, monkeypatch)
+    assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
+    assert counts["sampled_drafts"] == counts["cycles"] and counts["accepted"] > 0.5 * counts["cycles"]
+    assert counts["sibling_rejected"] > 0.05 * counts["cycles"] and counts["children_rejected"] > 0.05 * counts["cycles"]
+
+
+def test_batched_sampling_with_a_broken_verifier_fails(monkeypatch):
+    ps, _ = batched_sampling(MAIN_E2E, accept_sampling_without_residual, monkeypatch)
+    assert min(ps) < P_BROKEN, f"the broken verifier passed the batched test: p = {ps}"
