@@ -1,7 +1,8 @@
 """Answer tokens/s of the head's data generation: the old `train_eagle.py data` step (batch_generate: fp32,
 eager, batches of 32 left-padded rows that shrink as rows finish, features kept) against scripts/make_data.py's
 Engine (bf16 where the CPU has it, compiled, a static batch refilled as rows finish, attention over live slots),
-on the same ShareGPT first turns, greedy, the same answer budget, one thread, in one process, the old one first.
+on the same ShareGPT first turns, greedy, the same answer budget, one thread, in one process, the old one first
+(on the first --old_prompts of them: its rate does not depend on how many batches of 32 it runs).
 
     python results/2026-12-01-data-engine-avx512-bf16/measure.py --prompts 128 --max_new_tokens 256
 """
@@ -27,6 +28,7 @@ p.add_argument("--max_new_tokens", type=int, default=256)
 p.add_argument("--max_prompt_len", type=int, default=256)
 p.add_argument("--skip", type=int, default=3000, help="conversations after the held-out ones to skip")
 p.add_argument("--old_batch", type=int, default=32)
+p.add_argument("--old_prompts", type=int, help="prompts the old step answers (default: all)")
 p.add_argument("--batch_sizes", type=int, nargs="+", default=[64])
 p.add_argument("--out", type=Path, default=Path(__file__).with_name("engine.json"))
 args = p.parse_args()
@@ -45,12 +47,12 @@ result = {"isa": instruction_set(), "torch": torch.__version__, "threads": 1, "p
 
 fp32 = Transformer.from_checkpoint(checkpoint)
 start, old_tokens = time.perf_counter(), 0
-ordered = sorted(prompts, key=len)  # as write_shards: similar lengths share a batch
+ordered = sorted(prompts[: args.old_prompts], key=len)  # as write_shards: similar lengths share a batch
 for i in range(0, len(ordered), args.old_batch):
     rows = batch_generate(fp32, ordered[i: i + args.old_batch], args.max_new_tokens, tokenizer.stop_ids)
     old_tokens += sum(len(ids) - n + 1 for ids, _, n in rows)  # answer tokens (the last one's feature is dropped)
 old_s = time.perf_counter() - start
-result["old"] = {"what": "train_eagle.batch_generate, fp32 eager, batch 32", "answer_tokens": old_tokens,
+result["old"] = {"what": "train_eagle.batch_generate, fp32 eager, batch 32", "prompts": len(ordered), "answer_tokens": old_tokens,
                  "seconds": round(old_s, 1), "answer_tokens_per_s": round(old_tokens / old_s, 1)}
 print(result["old"], flush=True)
 del fp32
