@@ -268,3 +268,25 @@ class BatchedSession:
                            causal_mask(pos, int(pos.max()) + 1)[:, None])
         last = rows_tensor([len(p) - 1 for p in paths], self.device)
         return head_prediction(self.head, hidden[torch.arange(B), last][:, None], self.tree.max_rank + 1)
+
+
+def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, prompts: list, args,
+                sampling: Sampling):
+    """generate.py --batch_size B: every prompt --num_samples times, B sequences at a time; prints each text, then
+    each batch's throughput and (EAGLE) each row's tau."""
+    import sys
+
+    jobs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(args.num_samples)]
+    longest = max(map(len, prompts)) + args.max_new_tokens
+    session = BatchedSession(model, min(args.max_seq_len, longest), args.batch_size, head, tree)
+    for start in range(0, len(jobs), args.batch_size):
+        batch = jobs[start: start + args.batch_size]
+        outs, stats = session.generate([p for _, p in batch], args.max_new_tokens, sampling, tokenizer.stop_ids)
+        for row, ((i, _), out) in enumerate(zip(batch, outs)):
+            text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
+            print(f"[prompt {i + 1}, row {row + 1}] {text}", flush=True)
+        line = (f"batch of {len(batch)}: {sum(stats.new_tokens)} tokens in {stats.total_s:.2f} s: "
+                f"{stats.tokens_per_s:.1f} tokens/s, {stats.target_forwards} target forwards")
+        if head is not None:
+            line += "\n  tau per row " + " ".join(f"{stats.tau(r):.2f}" for r in range(len(batch)))
+        print(line, file=sys.stderr)

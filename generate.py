@@ -817,14 +817,17 @@ def chat(session: Session, tokenizer, args, sampling: Sampling, governor: Option
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Vanilla and EAGLE speculative generation (LLaMA family).")
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", default="Hello, my name is", help="prompt text")
+    p.add_argument("--prompt", nargs="+", default=["Hello, my name is"],
+                   help="prompt text; several prompts run one after another, or together with --batch_size")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
     p.add_argument("--raw", action="store_true", help="plain continuation of --prompt, without the chat template")
     p.add_argument("--chat_template", action="store_true",
                    help="wrap --prompt in the chat template (the default when the checkpoint has one)")
     p.add_argument("--system", help="system prompt for --chat / --chat_template")
     p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (batched.py): the "
+                   "prompts x samples run this many at a time (EAGLE: static trees, eager for now)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int)
     p.add_argument("--top_p", type=float, default=1.0)
@@ -858,14 +861,16 @@ def parse_args(argv=None):
         raise UsageError(f"--top_k must be >= 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if args.max_new_tokens < 1 or args.num_samples < 1:
-        raise UsageError("--max_new_tokens and --num_samples must be >= 1")
+    if args.max_new_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
+        raise UsageError("--max_new_tokens, --num_samples and --batch_size must be >= 1")
+    if args.batch_size > 1 and (args.chat or args.compile or args.compile_prefill):
+        raise UsageError("--batch_size > 1 runs eagerly and not in --chat; drop --compile / --chat, or the batch")
     if args.precision and (args.dtype or args.quantize):
         raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
     if args.raw and (args.chat_template or args.chat):
         raise UsageError("--raw (plain continuation) cannot go with --chat_template or --chat; drop one")
-    if not args.chat and not args.prompt.strip():
-        raise UsageError("the prompt is empty; give some text with --prompt")
+    if not args.chat and not all(text.strip() for text in args.prompt):
+        raise UsageError("a prompt is empty; give some text with --prompt")
     return args
 
 
@@ -893,21 +898,29 @@ def main(argv=None):
             warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling)
         return chat(session, tokenizer, args, sampling, governor)
     templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": args.prompt}]
-    prompt = tokenizer.encode_chat(messages) if templated else tokenizer.encode(args.prompt, bos=True)
-    # a cache no longer than this prompt needs: attention reads every cache slot
-    session = Session(model, min(args.max_seq_len, len(prompt) + args.max_new_tokens), head, tree, steps)
+
+    def encode(text: str) -> list:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": text})
+        return tokenizer.encode_chat(messages) if templated else tokenizer.encode(text, bos=True)
+
+    prompts = [encode(text) for text in args.prompt]
+    if args.batch_size > 1:
+        from batched import run_batches
+        return run_batches(model, head, tree, tokenizer, prompts, args, sampling)
+    # a cache no longer than the prompts need: attention reads every cache slot
+    session = Session(model, min(args.max_seq_len, max(map(len, prompts)) + args.max_new_tokens), head, tree, steps)
     if compiled:
-        warm_up(session, prompt, sampling)
-    for i in range(args.num_samples):
-        session.reset()  # each sample starts from a fresh prefill, so timings compare
-        if not templated:
-            print(args.prompt, end="", flush=True)
-        out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids,
-                                      on_tokens=streamer(tokenizer, governor))
-        print(flush=True)
-        print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
+        warm_up(session, prompts[0], sampling)
+    for text, prompt in zip(args.prompt, prompts):
+        for i in range(args.num_samples):
+            session.reset()  # each sample starts from a fresh prefill, so timings compare
+            if not templated:
+                print(text, end="", flush=True)
+            out, stats = session.generate(prompt, args.max_new_tokens, sampling, tokenizer.stop_ids,
+                                          on_tokens=streamer(tokenizer, governor))
+            print(flush=True)
+            print_stats(stats, tree, label=f"[sample {i + 1}] " if args.num_samples > 1 else "")
 
 
 if __name__ == "__main__":

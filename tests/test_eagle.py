@@ -853,6 +853,9 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "context branch on a dynamic tree": ["--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-4-3-8+lookup-2"],
     "raw and chat template": ["--raw", "--chat_template"],
     "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
+    "batch size 0": ["--batch_size", "0"],
+    "compiled batch": ["--batch_size", "2", "--compile"],
+    "batch of dynamic trees": ["--batch_size", "2", "--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-4-3-8"],
 }
 
 
@@ -877,6 +880,20 @@ def test_cli_eagle_prints_what_vanilla_prints(head, cli_files, monkeypatch, caps
     assert code == 0, err
     assert eagle_out == vanilla_out and vanilla_out.startswith("The owl")
     assert "tau" in err
+
+
+def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, capsys):
+    """Two prompts with --batch_size 2 (greedy EAGLE, a random head, chain-3) give each prompt the text the
+    prompts run one at a time give it, and a tau per row."""
+    argv = ["--prompt", "The owl", "Name a fruit.", "--max_new_tokens", "8", "--eagle", "--eagle_head",
+            cli_files / "head", "--tree", "chain-3"]
+    code, one_at_a_time, err = run_cli_in_process(argv, monkeypatch, capsys)
+    assert code == 0, err
+    code, together, err = run_cli_in_process(argv + ["--batch_size", "2"], monkeypatch, capsys)
+    assert code == 0, err
+    texts = [line.split("] ", 1)[1] for line in together.split("[prompt ")[1:]]
+    assert len(texts) == 2 and one_at_a_time.replace("\n", "") == "".join(t.replace("\n", "") for t in texts)
+    assert "batch of 2" in err and "tau per row" in err
 
 
 def test_cli_precision_names_a_dtype_or_quantization(monkeypatch, capsys):
