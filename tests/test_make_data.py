@@ -269,8 +269,10 @@ def test_a_looping_answer_ends_as_a_loop():
     from scripts.make_data import LOOP_PERIOD, LOOP_WINDOW, looping
 
     phrase = [5, 9, 13, 2, 7]
-    assert looping([1, 2, 3] + phrase * 30) and not looping(list(range(200)))
-    assert not looping(phrase * ((LOOP_WINDOW + LOOP_PERIOD) // 5 - 1))  # too short to tell
+    assert looping([1, 2, 3] + phrase * 30) and not looping(list(range(300)))
+    assert looping(phrase * ((LOOP_WINDOW + 5) // 5 + 1)) and not looping(phrase * ((LOOP_WINDOW + 5) // 5))
+    passage = list(range(100, 100 + LOOP_PERIOD))  # a paragraph repeated, the longest period cut
+    assert looping([1] + passage * 2 + passage[:LOOP_WINDOW]) and not looping([1] + passage + passage[:LOOP_WINDOW - 1])
 
     model = tiny_target()
     with torch.no_grad():
