@@ -14,7 +14,8 @@ row of the target's and the head's KV caches (model.py takes per-row slots input
 A row that finishes (stop token, token budget) stops committing and rides along, its results ignored, until
 every row is done. Vanilla (no head) decodes the B rows one token each per step, so that the comparison with
 EAGLE is fair. Static trees only (chains, the paper tree, lists of paths, a context branch); the dynamic tree
-is single-sequence (generate.Session). Eager: the compiled, recompile-free batched cycle is still to come.
+is single-sequence (generate.Session). compile=True runs the steps as full graphs of static shape, the live
+slot count of their masks dynamic, so nothing recompiles as rows advance and finish.
 """
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from generate import Sampling, UsageError, accept_greedy, accept_sampling, draft_step, head_prediction, sample
+from generate import (Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, compile_step, draft_step,
+                      head_prediction, sample)
 from model import Transformer, causal_mask
 from tree import ContextLookup, Tree, tree_attention_mask
 
@@ -70,6 +72,26 @@ class BatchStats:
         return (sum(lengths) + len(lengths)) / max(1, len(lengths))
 
 
+# ---------------------------------------------------------------- the model steps (eager, or compiled)
+def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool) -> Tensor:
+    """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]."""
+    logits, _ = model(tokens, input_pos, mask=mask)
+    return argmax_tokens(logits[:, -1]) if greedy else logits[:, -1]
+
+
+def verify_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, rope_pos: Tensor, mask: Tensor, greedy: bool):
+    """Every row's tree nodes [B, n]: greedy tokens [B, n] (or logits [B, n, V]) after each node, and features."""
+    logits, features = model(tokens, input_pos, mask=mask, rope_pos=rope_pos)
+    return (argmax_tokens(logits) if greedy else logits), features
+
+
+def update_rows(model: Transformer, head: EagleHead, tokens: Tensor, features: Tensor, input_pos: Tensor,
+                mask: Tensor, last: Tensor, k: int):
+    """The head reads pairs (features [B, m, dim], tokens [B, m]); its prediction at index last[b] of each row."""
+    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask)
+    return head_prediction(head, hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], k)
+
+
 def rows_tensor(values: list, device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
@@ -85,12 +107,16 @@ class BatchedSession:
     """B sequences decoded together by a target (and an optional EAGLE head with a static tree)."""
 
     def __init__(self, model: Transformer, max_seq_len: int, batch_size: int, head: Optional[EagleHead] = None,
-                 tree: Optional[Tree] = None):
+                 tree: Optional[Tree] = None, compile: bool = False):
         if head is not None and not isinstance(tree, Tree):
             raise UsageError("batched EAGLE drafts static trees (chain-N, paper, a list of paths, +lookup-N); "
                              "run a dynamic tree one sequence at a time")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, batch_size
-        self.max_seq_len, self.device = max_seq_len, model.output.weight.device
+        self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
+        steps = (decode_rows, verify_rows, draft_step, update_rows)
+        if compile:
+            steps = [compile_step(f, fullgraph=True, dynamic=False) for f in steps]
+        self.decode, self.verify, self.draft_step, self.update = steps
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
         model.setup_caches(batch_size, max_seq_len + scratch)
         if head is not None:
@@ -100,6 +126,13 @@ class BatchedSession:
                 head.bind(model.output.weight)
             self.features = torch.zeros(batch_size, max_seq_len + scratch, head.feature_dim, device=self.device,
                                         dtype=model.output.weight.dtype)
+
+    def live(self, mask: Tensor) -> Tensor:
+        """A step's mask over the live slots: their count is dynamic in the compiled graphs (one graph serves
+        every length; see generate.CacheWindow)."""
+        if self.compiled:
+            torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
+        return mask
 
     @torch.no_grad()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
@@ -146,10 +179,10 @@ class BatchedSession:
         forwards = 0
         while not all(r.done for r in rows):
             pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
-            mask = causal_mask(pos, int(pos.max()) + 1)[:, None]  # [B, 1, 1, S]
-            logits, _ = self.model(rows_tensor([[t] for t in tokens], self.device), pos, mask=mask)
+            mask = self.live(causal_mask(pos, int(pos.max()) + 1)[:, None])  # [B, 1, 1, S]
+            out = self.decode(self.model, rows_tensor([[t] for t in tokens], self.device), pos, mask, sampling.greedy)
             forwards += 1
-            nxt = sample(logits[:, -1], sampling).tolist()
+            nxt = (out if sampling.greedy else sample(out, sampling)).tolist()
             for b, r in enumerate(rows):
                 if not r.done:
                     r.tokens.append(tokens[b])
@@ -226,8 +259,9 @@ class BatchedSession:
             m = end - first
             pos = bases[:, None] + torch.arange(first - 1, end - 1, device=self.device)  # [B, m]
             paired = head.pair_tokens(tokens[:, first:end], tokens[:, tree.parents[first:end]])
-            parent = draft_step(self.model, head, paired, parent.hidden[:, parent_in_level], pos,
-                                (bases + depth - 1)[:, None].expand(B, m), head_mask[:, :, first - 1:end - 1], k)
+            parent = self.draft_step(self.model, head, paired, parent.hidden[:, parent_in_level], pos,
+                                     (bases + depth - 1)[:, None].expand(B, m),
+                                     self.live(head_mask[:, :, first - 1:end - 1]), k)
             parent_first = first
         return tokens, draft_probs
 
@@ -235,9 +269,8 @@ class BatchedSession:
         """Step 2: the target over every row's nodes: greedy tokens (or logits) after each node, and features."""
         n = tokens.shape[1]
         input_pos = bases[:, None] + torch.arange(n, device=self.device)
-        logits, features = self.model(tokens, input_pos, mask=row_masks(bases, self.tree.tree_mask),
-                                      rope_pos=bases[:, None] + self.tree.depths)
-        return (logits.argmax(-1) if sampling.greedy else logits), features
+        return self.verify(self.model, tokens, input_pos, bases[:, None] + self.tree.depths,
+                           self.live(row_masks(bases, self.tree.tree_mask)), sampling.greedy)
 
     def _accept(self, tokens: Tensor, out: Tensor, sampling: Sampling, draft_probs: Optional[Tensor]):
         tree = self.tree
@@ -264,10 +297,9 @@ class BatchedSession:
         next_tokens = rows_tensor([t + [0] * (pad - len(t)) for t in new], self.device)
         own = rows_tensor([[r.tokens[-1]] + t[:-1] + [0] * (pad - len(t)) for r, t in zip(rows, new)], self.device)
         pos = bases[:, None] + torch.arange(pad, device=self.device)
-        hidden = self.head(self.model.tok_embeddings(self.head.pair_tokens(next_tokens, own)), feats, pos,
-                           causal_mask(pos, int(pos.max()) + 1)[:, None])
-        last = rows_tensor([len(p) - 1 for p in paths], self.device)
-        return head_prediction(self.head, hidden[torch.arange(B), last][:, None], self.tree.max_rank + 1)
+        return self.update(self.model, self.head, self.head.pair_tokens(next_tokens, own), feats, pos,
+                           self.live(causal_mask(pos, int(pos.max()) + 1)[:, None]),
+                           rows_tensor([len(p) - 1 for p in paths], self.device), self.tree.max_rank + 1)
 
 
 def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, prompts: list, args,
@@ -278,7 +310,7 @@ def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, 
 
     jobs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(args.num_samples)]
     longest = max(map(len, prompts)) + args.max_new_tokens
-    session = BatchedSession(model, min(args.max_seq_len, longest), args.batch_size, head, tree)
+    session = BatchedSession(model, min(args.max_seq_len, longest), args.batch_size, head, tree, compile=args.compile)
     for start in range(0, len(jobs), args.batch_size):
         batch = jobs[start: start + args.batch_size]
         outs, stats = session.generate([p for _, p in batch], args.max_new_tokens, sampling, tokenizer.stop_ids)

@@ -827,7 +827,7 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (batched.py): the "
-                   "prompts x samples run this many at a time (EAGLE: static trees, eager for now)")
+                   "prompts x samples run this many at a time (EAGLE: static trees)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int)
     p.add_argument("--top_p", type=float, default=1.0)
@@ -863,8 +863,9 @@ def parse_args(argv=None):
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
         raise UsageError("--max_new_tokens, --num_samples and --batch_size must be >= 1")
-    if args.batch_size > 1 and (args.chat or args.compile or args.compile_prefill):
-        raise UsageError("--batch_size > 1 runs eagerly and not in --chat; drop --compile / --chat, or the batch")
+    if args.batch_size > 1 and (args.chat or args.compile_prefill):
+        raise UsageError("--batch_size > 1 does not go with --chat or --compile_prefill (its prefill runs eagerly); "
+                         "drop one")
     if args.precision and (args.dtype or args.quantize):
         raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
     if args.raw and (args.chat_template or args.chat):

@@ -59,6 +59,24 @@ def test_batched_greedy_equals_single_sequences(spec):
         assert max(map(max, ref_accepts)) >= 2 and stats.target_forwards == max(map(len, ref_accepts))
 
 
+@pytest.mark.parametrize("spec", [None, "paper"])
+def test_compiled_batched_session_does_not_recompile(spec):
+    """Compiled steps give the eager tokens; after a warm-up batch, batches of other prompts (rows advancing and
+    finishing at their own steps) compile nothing new."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    tree = None if spec is None else parse_tree(spec)
+    n = 16
+    warm, prompts = tiny_prompts(3, model.config.vocab_size, seed=5), tiny_prompts(3, model.config.vocab_size, seed=6)
+    eager = BatchedSession(model, 12 + n, 4, head, tree).generate(prompts, n, Sampling(), {7})[0]
+    torch._dynamo.reset()
+    session = BatchedSession(model, 12 + n, 4, head, tree, compile=True)
+    session.generate(warm, n, Sampling(), {7})
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert session.generate(prompts, n, Sampling(), {7})[0] == eager
+        assert session.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
+
+
 def test_batched_session_refuses_bad_input():
     model = tiny_target()
     with pytest.raises(UsageError, match="static trees"):

@@ -854,7 +854,7 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "raw and chat template": ["--raw", "--chat_template"],
     "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
     "batch size 0": ["--batch_size", "0"],
-    "compiled batch": ["--batch_size", "2", "--compile"],
+    "batch with a compiled prefill": ["--batch_size", "2", "--compile_prefill"],
     "batch of dynamic trees": ["--batch_size", "2", "--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-4-3-8"],
 }
 
