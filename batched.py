@@ -165,12 +165,13 @@ class BatchedSession:
         T = max(len(r.tokens) for r in rows)
         tokens = rows_tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], self.device)
         pos = torch.arange(T, device=self.device)
-        logits, features = self.model(tokens, pos, mask=causal_mask(pos, T))
+        ends = sorted({len(r.tokens) - 1 for r in rows})  # logits only where some row's prompt ends
+        logits, features = self.model(tokens, pos, mask=causal_mask(pos, T), logits_at=rows_tensor(ends, self.device))
         if self.head is not None:
             self.features[:, :T] = features
         for r in rows:
             r.length = len(r.tokens)
-        last = logits[torch.arange(len(rows)), rows_tensor([r.length - 1 for r in rows], self.device)]
+        last = logits[torch.arange(len(rows)), rows_tensor([ends.index(r.length - 1) for r in rows], self.device)]
         return sample(last, sampling).tolist()
 
     # ---------------------------------------------------------------- vanilla
