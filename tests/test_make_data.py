@@ -47,7 +47,7 @@ def tiny_requests(n, vocab_size, seed=0):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
+def test_engine_greedy_equals_session_tiny(compile):
     """Rows of different prompt lengths finish at different steps (budgets, a stop token) and are refilled;
     every answer equals a single-sequence greedy generation. Compiled: one graph, no recompiles."""
     model = tiny_target()
@@ -57,10 +57,12 @@ def test_engine_greedy_equals_session_tiny(compile, monkeypatch):
     assert any(a[-1] in stop for a in ref) and any(a[-1] not in stop for a in ref)  # both kinds of ending
     if compile:
         torch._dynamo.reset()
-        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     full = Request(list(range(1, 13)), 30, Sampling(), key="fills the cache")  # 12 + 30 > max_len 40
     ref.append(session_answers(model, [full], stop)[0][:40 - 12])
-    got, engine = engine_answers(model, requests + [full], 4, 40, stop, compile=compile, groups=2)
+    # config.patch, not monkeypatch.setattr: monkeypatch's undo deletes the flag from dynamo's config module,
+    # and the next recompile anywhere in the process fails reading it
+    with torch._dynamo.config.patch(error_on_recompile=compile):
+        got, engine = engine_answers(model, requests + [full], 4, 40, stop, compile=compile, groups=2)
     assert [a for a, _ in got] == ref  # two attention groups: one parks while the other runs, as at a run's end
     assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
     assert engine.answer_tokens == sum(map(len, ref))
