@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from generate import (Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, compile_step, draft_step,
-                      head_prediction, sample)
+from generate import (Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, check_fits, compile_step,
+                      draft_step, head_prediction, sample)
 from model import Transformer, causal_mask
 from tree import ContextLookup, Tree, tree_attention_mask
 
@@ -140,11 +140,7 @@ class BatchedSession:
         if not 1 <= len(prompts) <= self.batch_size:
             raise UsageError(f"{len(prompts)} prompts for a batch of {self.batch_size}: give 1 to {self.batch_size}")
         for p in prompts:
-            if not p:
-                raise UsageError("a prompt is empty; give some text")
-            if len(p) + max_new_tokens > self.max_seq_len:
-                raise UsageError(f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                                 f"--max_seq_len {self.max_seq_len}; raise --max_seq_len or shorten the prompt")
+            check_fits(len(p), max_new_tokens, self.max_seq_len)
         self.model.feature_layers = None if self.head is None else self.head.feature_layers
         # rows without a prompt ride along from the start, done
         rows = [Row(list(p), max_new_tokens) for p in prompts]
@@ -228,10 +224,10 @@ class BatchedSession:
         next_tokens = rows_tensor([r.tokens[1:r.length + 1] + [0] * (T - r.length) for r in rows], self.device)
         own = rows_tensor([r.tokens[:r.length] + [0] * (T - r.length) for r in rows], self.device)
         pos = torch.arange(T, device=self.device)
-        hidden = self.head(self.model.tok_embeddings(self.head.pair_tokens(next_tokens, own)), self.features[:, :T],
-                           pos, causal_mask(pos, T))
-        last = rows_tensor([r.length - 1 for r in rows], self.device)
-        return head_prediction(self.head, hidden[torch.arange(len(rows)), last][:, None], self.tree.max_rank + 1)
+        # eager: the prompts' length varies (self.update is the compiled fixed-shape step)
+        return update_rows(self.model, self.head, self.head.pair_tokens(next_tokens, own), self.features[:, :T], pos,
+                           causal_mask(pos, T), rows_tensor([r.length - 1 for r in rows], self.device),
+                           self.tree.max_rank + 1)
 
     def _draft(self, rows: list, bases: Tensor, root, sampling: Sampling):
         """Step 1, as tree.Tree.draft for each row at once: a node of rank r is its parent's r-th most likely

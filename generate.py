@@ -321,6 +321,15 @@ class Stats:
         return [sum(a >= d for a in self.accept_lengths) / n for d in range(1, max_depth + 1)]
 
 
+def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int):
+    """A prompt a session of max_seq_len tokens can answer, or a UsageError that says what to change."""
+    if prompt_len == 0:
+        raise UsageError("the prompt is empty; give some text with --prompt")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"--max_seq_len {max_seq_len}; raise --max_seq_len or shorten the prompt")
+
+
 class Session:
     """A target (and optional EAGLE head) with their caches and the tokens they hold: tokens[:target_len]
     are in the target cache, features[i] is the target's feature at position i, the head cache holds
@@ -348,19 +357,12 @@ class Session:
         """Forget the cached conversation: the next generate prefills its whole prompt."""
         self.tokens, self.target_len, self.head_len = [], 0, 0
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int):
-        if prompt_len == 0:
-            raise UsageError("the prompt is empty; give some text with --prompt")
-        if prompt_len + max_new_tokens > self.max_seq_len:
-            raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"--max_seq_len {self.max_seq_len}; raise --max_seq_len or shorten the prompt")
-
     @torch.no_grad()
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
                  on_tokens: Optional[Callable] = None):
         """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).
         on_tokens(list) is called with each batch of committed tokens (for streaming)."""
-        self.check_fits(len(prompt), max_new_tokens)
+        check_fits(len(prompt), max_new_tokens, self.max_seq_len)
         # the target's features are what this session's head reads (EAGLE-3: fused layers' states); set per
         # call, as sessions with other heads may share the model
         self.model.feature_layers = None if self.head is None else self.head.feature_layers
