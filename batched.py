@@ -11,11 +11,12 @@ row of the target's and the head's KV caches (model.py takes per-row slots input
    generate.accept_sampling), so each row's output is what a Session would give it;
 4. commit: each row's accepted KV entries move into place, and the head reads each row's true features.
 
-A row that finishes (stop token, token budget) stops committing and rides along, its results ignored, until
-every row is done. Vanilla (no head) decodes the B rows one token each per step, so that the comparison with
+Each row is prefilled alone (a batch-1 forward into its row of the caches). A row that finishes (stop token,
+token budget) is refilled at once with the next prompt waiting (continuous batching); with none left it rides
+along, its results ignored, until every row is done. Vanilla (no head) decodes the B rows one token each per step, so that the comparison with
 EAGLE is fair. Static trees only (chains, the paper tree, lists of paths, a context branch); the dynamic tree
 is single-sequence (generate.Session). compile=True runs the steps as full graphs of static shape, the live
-slot count of their masks dynamic, so nothing recompiles as rows advance and finish.
+slot count of their masks dynamic, so nothing recompiles as rows advance, finish and are refilled.
 """
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,9 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from generate import (Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, check_fits, compile_step,
-                      draft_step, head_prediction, sample)
-from model import Transformer, causal_mask
+from generate import (HeadPrediction, Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, check_fits,
+                      compile_step, draft_step, head_prediction, sample)
+from model import Transformer, causal_mask, narrow_caches
 from tree import ContextLookup, Tree, tree_attention_mask
 
 
@@ -37,6 +38,7 @@ class Row:
     cycle's root, is not in the target cache yet); `length` tokens are in the target cache."""
     tokens: list
     budget: int  # new tokens still wanted
+    index: int = -1  # which prompt (-1: none, a spare row riding along)
     length: int = 0
     out: list = field(default_factory=list)
     done: bool = False
@@ -124,8 +126,6 @@ class BatchedSession:
             head.setup_caches(max_seq_len + max(scratch, tree.draft_slots), batch_size=batch_size)
             if head.lm_head is None:
                 head.bind(model.output.weight)
-            self.features = torch.zeros(batch_size, max_seq_len + scratch, head.feature_dim, device=self.device,
-                                        dtype=model.output.weight.dtype)
 
     def live(self, mask: Tensor) -> Tensor:
         """A step's mask over the live slots: their count is dynamic in the compiled graphs (one graph serves
@@ -136,63 +136,92 @@ class BatchedSession:
 
     @torch.no_grad()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
-        """New tokens for up to batch_size prompts (lists of token ids) at once, and BatchStats."""
-        if not 1 <= len(prompts) <= self.batch_size:
-            raise UsageError(f"{len(prompts)} prompts for a batch of {self.batch_size}: give 1 to {self.batch_size}")
+        """New tokens for each of the prompts (lists of token ids), batch_size at a time: a row that finishes is
+        refilled with the next prompt at once (continuous batching), so the batch stays full while prompts are
+        left. Returns the outputs in the prompts' order and BatchStats."""
+        if not prompts:
+            raise UsageError("no prompts to generate for: give at least one")
         for p in prompts:
             check_fits(len(p), max_new_tokens, self.max_seq_len)
         self.model.feature_layers = None if self.head is None else self.head.feature_layers
-        # rows without a prompt ride along from the start, done
-        rows = [Row(list(p), max_new_tokens) for p in prompts]
-        rows += [Row([0], 0, done=True) for _ in range(self.batch_size - len(prompts))]
+        queue, finished = [(i, list(p)) for i, p in enumerate(prompts)], []
         start = time.perf_counter()
-        first = self._prefill(rows, sampling)
-        for row, token in zip(rows, first):
-            if not row.done:
-                row.emit([token], stop_ids)
-        forwards = (self._eagle if self.head is not None else self._vanilla)(rows, first, sampling, stop_ids)
-        stats = BatchStats([len(r.out) for r in rows[:len(prompts)]], [r.accept_lengths for r in rows[:len(prompts)]],
-                           forwards, time.perf_counter() - start)
-        return [r.out for r in rows[:len(prompts)]], stats
+        rows, roots = [], []
+        for b in range(self.batch_size):
+            row, root = self._refill(b, queue, finished, max_new_tokens, sampling, stop_ids)
+            rows.append(row)
+            roots.append(root)
+        if self.head is None:
+            forwards = self._vanilla(rows, queue, finished, max_new_tokens, sampling, stop_ids)
+        else:
+            root = HeadPrediction(*(torch.cat(parts) for parts in zip(*roots)))
+            forwards = self._eagle(rows, root, queue, finished, max_new_tokens, sampling, stop_ids)
+        finished.sort(key=lambda r: r.index)
+        stats = BatchStats([len(r.out) for r in finished], [r.accept_lengths for r in finished], forwards,
+                           time.perf_counter() - start)
+        return [r.out for r in finished], stats
 
-    def _prefill(self, rows: list, sampling: Sampling) -> list:
-        """All prompts in one forward, right-padded: a row's padding lies at slots its own tokens never see
-        (causal), and later tokens overwrite it. Returns each row's first new token."""
-        T = max(len(r.tokens) for r in rows)
-        tokens = rows_tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], self.device)
+    def _refill(self, b: int, queue: list, finished: list, max_new_tokens: int, sampling: Sampling, stop_ids):
+        """Batch row b takes the next prompt of the queue (and the one after, if the first new token already
+        ends it): prefill, first token and (EAGLE) the head's prompt, all in row b alone. With the queue empty
+        the row rides along, done, its results ignored. Returns the row and (EAGLE) the head's prediction
+        for its first tree."""
+        while True:
+            index, prompt = queue.pop(0) if queue else (-1, [0])
+            row = Row(prompt, max_new_tokens if index >= 0 else 0, index=index, done=index < 0)
+            root = self._prefill(b, row, sampling)
+            if index < 0:
+                return row, root
+            finished.append(row)
+            row.emit([row.tokens[-1]], stop_ids)
+            if not row.done or not queue:
+                return row, root
+
+    def _prefill(self, b: int, row: Row, sampling: Sampling) -> Optional[HeadPrediction]:
+        """Row b's prompt through the target (a batch-1 forward into row b of its cache), its first new token
+        appended to row.tokens (it is not in the cache yet); with a head, the head reads the prompt's pairs
+        (f_i, t_{i+1}), the first new token last, and its prediction there drafts the row's first tree."""
+        T = len(row.tokens)
         pos = torch.arange(T, device=self.device)
-        ends = sorted({len(r.tokens) - 1 for r in rows})  # logits only where some row's prompt ends
-        logits, features = self.model(tokens, pos, mask=causal_mask(pos, T), logits_at=rows_tensor(ends, self.device))
-        if self.head is not None:
-            self.features[:, :T] = features
-        for r in rows:
-            r.length = len(r.tokens)
-        last = logits[torch.arange(len(rows)), rows_tensor([ends.index(r.length - 1) for r in rows], self.device)]
-        return sample(last, sampling).tolist()
+        with self.model.cache_row(b):
+            logits, features = self.model(rows_tensor([row.tokens], self.device), pos, mask=causal_mask(pos, T),
+                                          logits_at=slice(-1, None))
+        row.length = T
+        row.tokens.append(int(sample(logits[0, -1], sampling)))
+        if self.head is None:
+            return None
+        with narrow_caches([self.head.attention.kv_cache], b):  # eager: the prompts' length varies
+            return update_rows(self.model, self.head, rows_tensor([self.head.pair_tokens(row.tokens[1:], row.tokens[:T])],
+                                                                  self.device),
+                               features, pos, causal_mask(pos, T), rows_tensor([T - 1], self.device),
+                               self.tree.max_rank + 1)
 
     # ---------------------------------------------------------------- vanilla
-    def _vanilla(self, rows: list, tokens: list, sampling: Sampling, stop_ids) -> int:
-        """One token per row per step; a finished row re-runs its slot (its output is ignored)."""
+    def _vanilla(self, rows: list, queue: list, finished: list, max_new_tokens: int, sampling: Sampling,
+                 stop_ids) -> int:
+        """One token per row per step (each row's last token, at its slot `length`); a finished row re-runs its
+        slot until it is refilled or every row is done."""
         forwards = 0
         while not all(r.done for r in rows):
             pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
             mask = self.live(causal_mask(pos, int(pos.max()) + 1)[:, None])  # [B, 1, 1, S]
-            out = self.decode(self.model, rows_tensor([[t] for t in tokens], self.device), pos, mask, sampling.greedy)
+            out = self.decode(self.model, rows_tensor([[r.tokens[-1]] for r in rows], self.device), pos, mask,
+                              sampling.greedy)
             forwards += 1
             nxt = (out if sampling.greedy else sample(out, sampling)).tolist()
             for b, r in enumerate(rows):
-                if not r.done:
-                    r.tokens.append(tokens[b])
-                    r.length += 1
-                    tokens[b] = nxt[b]
-                    r.emit([nxt[b]], stop_ids)
+                if r.done:
+                    continue
+                r.length += 1
+                r.tokens.append(nxt[b])
+                r.emit([nxt[b]], stop_ids)
+                if r.done and queue:
+                    rows[b], _ = self._refill(b, queue, finished, max_new_tokens, sampling, stop_ids)
         return forwards
 
     # ---------------------------------------------------------------- EAGLE
-    def _eagle(self, rows: list, roots: list, sampling: Sampling, stop_ids) -> int:
-        for r, token in zip(rows, roots):
-            r.tokens.append(token)
-        root = self._head_prefill(rows)
+    def _eagle(self, rows: list, root: HeadPrediction, queue: list, finished: list, max_new_tokens: int,
+               sampling: Sampling, stop_ids) -> int:
         forwards = 0
         while not all(r.done for r in rows):
             bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
@@ -210,24 +239,17 @@ class BatchedSession:
                 new.append([tokens[b, i].item() for i in path[1:]] + [bonus])
                 r.accept_lengths.append(len(path) - 1)
             root = self._commit(rows, bases, paths, new, features)  # 4.
-            for r, path, tokens_b in zip(rows, paths, new):
-                if not r.done:
-                    r.tokens += tokens_b
-                    r.length += len(path)
-                    r.emit(tokens_b, stop_ids)
+            for b, (r, path, tokens_b) in enumerate(zip(rows, paths, new)):
+                if r.done:
+                    continue
+                r.tokens += tokens_b
+                r.length += len(path)
+                r.emit(tokens_b, stop_ids)
+                if r.done and queue:
+                    rows[b], one = self._refill(b, queue, finished, max_new_tokens, sampling, stop_ids)
+                    for full, part in zip(root, one):
+                        full[b] = part[0]
         return forwards
-
-    def _head_prefill(self, rows: list):
-        """The head reads each row's prompt pairs (f_i, t_{i+1}), the first new token last; its prediction at
-        each row's last pair drafts that row's first tree."""
-        T = max(r.length for r in rows)
-        next_tokens = rows_tensor([r.tokens[1:r.length + 1] + [0] * (T - r.length) for r in rows], self.device)
-        own = rows_tensor([r.tokens[:r.length] + [0] * (T - r.length) for r in rows], self.device)
-        pos = torch.arange(T, device=self.device)
-        # eager: the prompts' length varies (self.update is the compiled fixed-shape step)
-        return update_rows(self.model, self.head, self.head.pair_tokens(next_tokens, own), self.features[:, :T], pos,
-                           causal_mask(pos, T), rows_tensor([r.length - 1 for r in rows], self.device),
-                           self.tree.max_rank + 1)
 
     def _draft(self, rows: list, bases: Tensor, root, sampling: Sampling):
         """Step 1, as tree.Tree.draft for each row at once: a node of rank r is its parent's r-th most likely
@@ -279,18 +301,15 @@ class BatchedSession:
     def _commit(self, rows: list, bases: Tensor, paths: list, new: list, features: Tensor):
         """Step 4: each row's accepted nodes' KV entries move to the slots after its prefix, and the head reads
         their true features (pairs with the tokens that follow them), max_depth + 1 rows per row (a row's
-        padding is overwritten later); returns the head's prediction after each row's last new token."""
-        pad, B = self.tree.max_depth + 1, len(rows)
-        feats = torch.zeros(B, pad, features.shape[-1], device=self.device, dtype=features.dtype)
-        for b, path in enumerate(paths):
-            base, index = int(bases[b]), rows_tensor(path + list(range(len(path), pad)), self.device)
-            if not rows[b].done and path != list(range(len(path))):  # a chain's entries are in place already
-                for cache in self.model.kv_caches():
-                    cache.k_cache[b][:, base:base + pad] = cache.k_cache[b][:, base + index]
-                    cache.v_cache[b][:, base:base + pad] = cache.v_cache[b][:, base + index]
-            feats[b] = features[b].index_select(0, index)
-            if not rows[b].done:
-                self.features[b, base:base + pad] = feats[b]
+        padding is overwritten later; a done row's path [0] moves nothing); returns the head's prediction
+        after each row's last new token."""
+        pad = self.tree.max_depth + 1
+        index = rows_tensor([path + list(range(len(path), pad)) for path in paths], self.device)  # [B, pad]
+        if any(path != list(range(len(path))) for path in paths):  # a chain's entries are in place already
+            slots = bases[:, None] + torch.arange(pad, device=self.device)
+            for cache in self.model.kv_caches():
+                cache.move(bases[:, None] + index, slots)
+        feats = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
         next_tokens = rows_tensor([t + [0] * (pad - len(t)) for t in new], self.device)
         own = rows_tensor([[r.tokens[-1]] + t[:-1] + [0] * (pad - len(t)) for r, t in zip(rows, new)], self.device)
         pos = bases[:, None] + torch.arange(pad, device=self.device)
@@ -301,21 +320,19 @@ class BatchedSession:
 
 def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, prompts: list, args,
                 sampling: Sampling):
-    """generate.py --batch_size B: every prompt --num_samples times, B sequences at a time; prints each text, then
-    each batch's throughput and (EAGLE) each row's tau."""
+    """generate.py --batch_size B: every prompt --num_samples times, B sequences at a time (a finished row takes
+    the next sample at once); prints each text, then the throughput and (EAGLE) each sample's tau."""
     import sys
 
-    jobs = [(i, prompt) for i, prompt in enumerate(prompts) for _ in range(args.num_samples)]
+    jobs = [(i, s) for i in range(len(prompts)) for s in range(args.num_samples)]
     longest = max(map(len, prompts)) + args.max_new_tokens
     session = BatchedSession(model, min(args.max_seq_len, longest), args.batch_size, head, tree, compile=args.compile)
-    for start in range(0, len(jobs), args.batch_size):
-        batch = jobs[start: start + args.batch_size]
-        outs, stats = session.generate([p for _, p in batch], args.max_new_tokens, sampling, tokenizer.stop_ids)
-        for row, ((i, _), out) in enumerate(zip(batch, outs)):
-            text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
-            print(f"[prompt {i + 1}, row {row + 1}] {text}", flush=True)
-        line = (f"batch of {len(batch)}: {sum(stats.new_tokens)} tokens in {stats.total_s:.2f} s: "
-                f"{stats.tokens_per_s:.1f} tokens/s, {stats.target_forwards} target forwards")
-        if head is not None:
-            line += "\n  tau per row " + " ".join(f"{stats.tau(r):.2f}" for r in range(len(batch)))
-        print(line, file=sys.stderr)
+    outs, stats = session.generate([prompts[i] for i, _ in jobs], args.max_new_tokens, sampling, tokenizer.stop_ids)
+    for (i, s), out in zip(jobs, outs):
+        text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
+        print(f"[prompt {i + 1}, sample {s + 1}] {text}", flush=True)
+    line = (f"batch of {args.batch_size}, {len(jobs)} sequences: {sum(stats.new_tokens)} tokens in "
+            f"{stats.total_s:.2f} s: {stats.tokens_per_s:.1f} tokens/s, {stats.target_forwards} target forwards")
+    if head is not None:
+        line += "\n  tau per sequence " + " ".join(f"{stats.tau(r):.2f}" for r in range(len(jobs)))
+    print(line, file=sys.stderr)

@@ -110,9 +110,29 @@ class KVCache(nn.Module):
         return self.k_cache, self.v_cache
 
     def move(self, src: Tensor, dst: Tensor):
-        """Copy cache slots `src` to slots `dst` (committing an accepted tree path)."""
-        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
-        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+        """Copy cache slots `src` to slots `dst` (committing an accepted tree path): [T] in every row, or
+        [B, T] each row its own."""
+        if src.dim() == 1:
+            self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
+            self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+            return
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]  # gathers [B, T, kv_heads, head_dim]
+        self.k_cache[rows, :, dst] = self.k_cache[rows, :, src]
+        self.v_cache[rows, :, dst] = self.v_cache[rows, :, src]
+
+
+@contextmanager
+def narrow_caches(caches: list, row: int):
+    """Within the block these KV caches are batch row `row` alone (views: a batch-1 forward, such as one
+    sequence's prefill, writes into that row of the full caches)."""
+    full = [(cache.k_cache, cache.v_cache) for cache in caches]
+    for cache, (k, v) in zip(caches, full):
+        cache.k_cache, cache.v_cache = k[row: row + 1], v[row: row + 1]
+    try:
+        yield
+    finally:
+        for cache, (k, v) in zip(caches, full):
+            cache.k_cache, cache.v_cache = k, v
 
 
 def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -160,18 +180,9 @@ class Transformer(nn.Module):
     def kv_caches(self):
         return [layer.attention.kv_cache for layer in self.layers]
 
-    @contextmanager
     def cache_row(self, row: int):
-        """Within the block the KV caches are batch row `row` alone (views: a batch-1 forward, such as one
-        sequence's prefill, writes into that row of the full caches)."""
-        full = [(cache.k_cache, cache.v_cache) for cache in self.kv_caches()]
-        for cache, (k, v) in zip(self.kv_caches(), full):
-            cache.k_cache, cache.v_cache = k[row: row + 1], v[row: row + 1]
-        try:
-            yield
-        finally:
-            for cache, (k, v) in zip(self.kv_caches(), full):
-                cache.k_cache, cache.v_cache = k, v
+        """Within the block the KV caches are batch row `row` alone (see narrow_caches)."""
+        return narrow_caches(self.kv_caches(), row)
 
     def move_batch_rows(self, src: Tensor, dst: Tensor, slots: int):
         """Batch row dst[i] of the KV caches becomes what row src[i] was, in its first `slots` slots (in place:

@@ -59,6 +59,28 @@ def test_batched_greedy_equals_single_sequences(spec):
         assert max(map(max, ref_accepts)) >= 2 and stats.target_forwards == max(map(len, ref_accepts))
 
 
+@pytest.mark.parametrize("spec", [None, "paper", "chain-1+lookup-4"])
+def test_finished_rows_are_refilled(spec):
+    """Seven prompts through a batch of three: each finished row takes the next prompt at once (the batch holds
+    three until the queue runs dry), and every prompt gets a single-sequence Session's tokens and acceptances,
+    among them a prompt that its first new token already ends (its row takes the next prompt in the same step)."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(7, model.config.vocab_size, seed=11), 12
+    plain, _ = session_outputs(model, head, spec, prompts, n, frozenset())
+    stop = {stop_token_of(plain), plain[4][0]}  # prompt 5 ends at its first token
+    ref, ref_accepts = session_outputs(model, head, spec, prompts, n, stop)
+    assert len(ref[4]) == 1 and len({len(r) for r in ref}) > 2
+    session = BatchedSession(model, max(map(len, prompts)) + n, 3, head, None if spec is None else parse_tree(spec))
+    out, stats = session.generate(prompts, n, Sampling(), stop)
+    assert out == ref
+    if spec is not None:
+        assert stats.accept_lengths == ref_accepts
+    # refilled, not run in batches of three: fewer forwards than the three batches' longest rows take
+    in_batches = sum(max(map(len, (ref_accepts if spec else ref)[i:i + 3])) for i in range(0, 7, 3))
+    assert stats.target_forwards < in_batches
+
+
 @pytest.mark.parametrize("spec", [None, "paper"])
 def test_compiled_batched_session_does_not_recompile(spec):
     """Compiled steps give the eager tokens; after a warm-up batch, batches of other prompts (rows advancing and
@@ -69,12 +91,15 @@ def test_compiled_batched_session_does_not_recompile(spec):
     n = 16
     warm, prompts = tiny_prompts(3, model.config.vocab_size, seed=5), tiny_prompts(3, model.config.vocab_size, seed=6)
     eager = BatchedSession(model, 12 + n, 4, head, tree).generate(prompts, n, Sampling(), {7})[0]
+    warm_ref = session_outputs(model, head, spec, warm, n, {7})[0]
     torch._dynamo.reset()
     session = BatchedSession(model, 12 + n, 4, head, tree, compile=True)
     session.generate(warm, n, Sampling(), {7})
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert session.generate(prompts, n, Sampling(), {7})[0] == eager
         assert session.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
+        # more prompts than rows: finished rows are refilled
+        assert session.generate(prompts + warm, n, Sampling(), {7})[0] == eager + warm_ref
 
 
 def test_batched_session_refuses_bad_input():
@@ -82,8 +107,8 @@ def test_batched_session_refuses_bad_input():
     with pytest.raises(UsageError, match="static trees"):
         BatchedSession(model, 32, 2, copycat_head(model), parse_tree("dynamic-4-4-12"))
     session = BatchedSession(model, 32, 2)
-    with pytest.raises(UsageError, match="3 prompts for a batch of 2"):
-        session.generate([[1], [2], [3]], 4, Sampling())
+    with pytest.raises(UsageError, match="no prompts"):
+        session.generate([], 4, Sampling())
     with pytest.raises(UsageError, match="empty"):
         session.generate([[1], []], 4, Sampling())
     with pytest.raises(UsageError, match="max_seq_len"):

@@ -884,7 +884,7 @@ def test_cli_eagle_prints_what_vanilla_prints(head, cli_files, monkeypatch, caps
 
 def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, capsys):
     """Two prompts with --batch_size 2 (greedy EAGLE, a random head, chain-3) give each prompt the text the
-    prompts run one at a time give it, and a tau per row."""
+    prompts run one at a time give it, and a tau per sequence."""
     argv = ["--prompt", "The owl", "Name a fruit.", "--max_new_tokens", "8", "--eagle", "--eagle_head",
             cli_files / "head", "--tree", "chain-3"]
     code, one_at_a_time, err = run_cli_in_process(argv, monkeypatch, capsys)
@@ -893,7 +893,7 @@ def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, caps
     assert code == 0, err
     texts = [line.split("] ", 1)[1] for line in together.split("[prompt ")[1:]]
     assert len(texts) == 2 and one_at_a_time.replace("\n", "") == "".join(t.replace("\n", "") for t in texts)
-    assert "batch of 2" in err and "tau per row" in err
+    assert "batch of 2, 2 sequences" in err and "tau per sequence" in err
 
 
 def test_cli_precision_names_a_dtype_or_quantization(monkeypatch, capsys):
