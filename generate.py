@@ -588,8 +588,8 @@ def load(args):
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
         mode = "dynamic" if args.compile or args.compile_prefill else "eager"
-        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0, (head, mode)))
-                if auto else tree).to(args.device)
+        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0, (head, mode),
+                                         getattr(args, "batch_size", 1))) if auto else tree).to(args.device)
     return model, tokenizer, head, tree
 
 
@@ -648,9 +648,9 @@ def profile_hint(other: Optional[str]) -> str:
             "--checkpoint DIR --eagle_head DIR measures this one")
 
 
-def calibrated_costs(model: Transformer, head: EagleHead, mode: str):
-    """(CycleCosts, path) of this machine's quick calibration at the model's precision and this thread count, run now
-    and cached if missing (scripts/profile_costs.calibrate: seconds eager, minutes compiled, once);
+def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1):
+    """(CycleCosts, path) of this machine's quick calibration at the model's precision, this thread count and batch
+    size, run now and cached if missing (scripts/profile_costs.calibrate: seconds eager, minutes compiled, once);
     None for an EAGLE-3 head, which profile_costs cannot time."""
     from eagle_head import Eagle3Head
 
@@ -660,42 +660,49 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str):
     full = cost_profile_path(torch.get_num_threads())  # costs-<key>.json: the calibration sits beside it
     path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
     profile = json.loads(path.read_text()) if path.is_file() else {}
-    if profile.get("model") != profile_model(model.config) or precision not in profile.get("precisions", {}):
+    if profile.get("model") != profile_model(model.config) or not CycleCosts.in_profile(profile, precision, batch_size):
         from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
 
-        print(f"tree auto: no cost profile of this machine for {precision} at {torch.get_num_threads()} threads; "
+        batch = f", batch {batch_size}" if batch_size > 1 else ""
+        print(f"tree auto: no cost profile of this machine for {precision} at {torch.get_num_threads()} threads{batch}; "
               f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)
         if head.lm_head is None:
             head.bind(model.output.weight)
-        fresh = calibrate(model, head, precision, mode)
-        if profile.get("model") == fresh["model"]:
-            fresh["precisions"] = {**profile["precisions"], **fresh["precisions"]}
+        fresh = calibrate(model, head, precision, mode, batch_size)
+        if profile.get("model") == fresh["model"]:  # keep what was calibrated before
+            fresh["precisions"] = {**profile.get("precisions", {}), **fresh["precisions"]}
+            batches = profile.get("batches", {})
+            for b, table in fresh["batches"].items():
+                batches[b] = {**batches.get(b, {}), **table}
+            fresh["batches"] = batches
         profile = fresh
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(profile, indent=1))
         print(f"{profile['wall_s']:.0f} s", file=sys.stderr)
-    return CycleCosts.from_profile(profile, precision), path
+    return CycleCosts.from_profile(profile, precision, batch_size), path
 
 
-def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None):
+def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None,
+                 batch_size: int = 1):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
-    calibration of this machine (calibrated_costs). Returns (CycleCosts, acceptance dict, the profile's path), or
-    (None, why not: one line, None)."""
+    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs. Returns (CycleCosts,
+    acceptance dict, the profile's path), or (None, why not: one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
     path, profile, other = cost_profile(model.config)
     costs = profile if device == "cpu" and profile else {"precisions": {}}
     if not acceptance.is_file():
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it"), None
-    if precision not in costs["precisions"]:
-        calibrated = calibrated_costs(model, *calibrate_with) if calibrate_with and device == "cpu" else None
+    if not CycleCosts.in_profile(costs, precision, batch_size):
+        calibrated = calibrated_costs(model, *calibrate_with, batch_size) if calibrate_with and device == "cpu" else None
         if calibrated is None:
-            why = f"no cost profile of this machine for {precision} at {threads} threads: {profile_hint(other)}"
+            batch = f", batch {batch_size}" if batch_size > 1 else ""
+            why = f"no cost profile of this machine for {precision} at {threads} threads{batch}: {profile_hint(other)}"
             return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
-    return CycleCosts.from_profile(costs, precision), json.loads(acceptance.read_text()), path
+    return CycleCosts.from_profile(costs, precision, batch_size), json.loads(acceptance.read_text()), path
 
 
 def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True) -> str:
@@ -722,19 +729,23 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
 
 
 def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
-                  calibrate_with: Optional[tuple] = None):
+                  calibrate_with: Optional[tuple] = None, batch_size: int = 1):
     """--tree auto: the spec of the static tree (and context branch) tree.auto_tree predicts fastest from
     cycle_models; chain-1 with a one-line hint when either model is missing. The context branch only when
     greedy: its match counts are greedy ones, and sampled text repeats itself less (on the 80 MT-bench first
-    turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran at 1.04x)."""
-    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with)
+    turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran at 1.04x). batch_size > 1: the tree for batched
+    cycles of that many rows (the paper: a larger batch wants a smaller tree)."""
+    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return "chain-1"
     best = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN,
                      lookup_joints=acceptance.get("lookup", {}).get("joints") if greedy else None)
+    batch = f", batch {batch_size}" if batch_size > 1 else ""
+    slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}, {torch.get_num_threads()} threads; {profile_source(path)})", file=sys.stderr)
+          f"{precision_of(model)}, {torch.get_num_threads()} threads{batch}{slower}; {profile_source(path)})",
+          file=sys.stderr)
     return best.spec
 
 

@@ -393,11 +393,21 @@ class CycleCosts:
                        for name in ("verify", "draft", "update", "move")}
 
     @classmethod
-    def from_profile(cls, profile: dict, precision: str) -> "CycleCosts":
-        """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON."""
-        c = profile["precisions"][precision]
+    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1) -> "CycleCosts":
+        """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON; batch_size > 1: its
+        batched cycle's pieces (profile["batches"]), the host work taken as that of one row times the rows
+        (each row's accept and commit are its own Python work)."""
+        c = profile["precisions"][precision] if batch_size == 1 else profile["batches"][str(batch_size)][precision]
         return cls(c["verify_ms"], c["draft_ms"], c["update_ms"], c["move_ms"],
-                   profile.get("overhead_ms", 0.0), profile.get("decode_overhead_ms", 0.0))
+                   profile.get("overhead_ms", 0.0) * batch_size, profile.get("decode_overhead_ms", 0.0) * batch_size)
+
+    @staticmethod
+    def in_profile(profile: Optional[dict], precision: str, batch_size: int = 1) -> bool:
+        """Whether from_profile finds this precision and batch size in the profile."""
+        if not profile:
+            return False
+        table = profile.get("precisions", {}) if batch_size == 1 else profile.get("batches", {}).get(str(batch_size), {})
+        return precision in table
 
     @property
     def decode_ms(self) -> float:

@@ -3,6 +3,7 @@
     python quantize.py --mode int4 --groupsize 32 --quantize_lm_head   # the int4 / int8 files, if missing
     python quantize.py --mode int8
     python scripts/profile_costs.py --threads 1                        # -> ~/.cache/eagle-fast/costs-<key>.json
+    python scripts/profile_costs.py --threads 1 --precisions int4 --batch_sizes 2 4 8   # + batched cycles
 
 Per precision (fp32, bf16 = model.pth in float32 / bfloat16; int8 = model_int8.pth; int4 =
 model_int4.g32.pth; the files that exist), after PREFIX cached tokens, medians of --reps timings taken
@@ -13,6 +14,8 @@ thread's CPU time (a shared machine's other processes stretch wall time, not it;
 - draft_ms[m]: a head draft step over m nodes (one tree level) with its draft LM head and top-k;
 - update_ms[r]: the head's update forward over r = depth + 1 committed rows, drafting the next root;
 - move_ms[r]: moving r accepted rows' KV entries in every layer (trees only; a chain's path is in place).
+With --batch_sizes B ..., batches[B][precision] holds the same four for batched.py's cycle of B rows (each
+piece over n rows in every batch row, at BATCH_ROWS): what --tree auto reads at --batch_size B.
 The three forwards are compiled once each with the row count marked dynamic (torch._dynamo.mark_dynamic;
 one row is always a graph of its own, as Dynamo specialises size 1): a fixed-shape graph per row count
 would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
@@ -79,9 +82,10 @@ def cpu_name() -> str:
 
 # ---------------------------------------------------------------- the cycle's steps (as in generate.py)
 def verify_rows(model, tokens, input_pos, mask):
-    """generate.verify, greedy: the target over tokens [1, n] at slots input_pos; greedy tokens and features."""
+    """generate.verify (batched.verify_rows), greedy: the target over tokens [B, n] at slots input_pos; greedy
+    tokens and features."""
     logits, features = model(tokens, input_pos, mask=mask)
-    return logits[0].float().argmax(-1), features
+    return logits.float().argmax(-1), features
 
 
 def draft_rows(model, head, tokens, features, input_pos, mask):
@@ -119,7 +123,8 @@ def dynamic(*marks):
 
 
 class Pieces:
-    """One precision's target and head with PREFIX tokens cached, and a callable per piece and row count."""
+    """One precision's target and head with PREFIX tokens cached in each of batch_size rows, and a callable per
+    piece and row count (at batch_size > 1 each piece runs its rows in every batch row, as batched.py's cycle)."""
 
     def __init__(self, precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR):
         name, dtype = PRECISIONS[precision]
@@ -138,14 +143,14 @@ class Pieces:
             head.bind(model.output.weight)
         self.prepare(model, head, mode, precision, max(ROWS))
 
-    def prepare(self, model, head, mode: str, tag: str, max_rows: int):
+    def prepare(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
         """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled."""
-        self.model, self.head = model, head
+        self.model, self.head, self.batch_size = model, head, batch_size
         slots = PREFIX + max_rows + 16
-        self.model.setup_caches(1, slots)
-        self.head.setup_caches(slots)
+        self.model.setup_caches(batch_size, slots)
+        self.head.setup_caches(slots, batch_size=batch_size)
         g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, self.model.config.vocab_size, (1, PREFIX + 1), generator=g)
+        prompt = torch.randint(0, self.model.config.vocab_size, (1, PREFIX + 1), generator=g).expand(batch_size, -1)
         pos = torch.arange(PREFIX)
         _, feats = self.model(prompt[:, :PREFIX], pos, mask=causal_mask(pos, PREFIX))
         self.head(self.model.tok_embeddings(prompt[:, 1:]), feats, pos, causal_mask(pos, PREFIX))
@@ -155,25 +160,29 @@ class Pieces:
             self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
 
     @classmethod
-    def of(cls, model, head, mode: str, tag: str, max_rows: int) -> "Pieces":
+    def of(cls, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1) -> "Pieces":
         """Pieces of a target and head already loaded and bound (generate.py's, for a calibration)."""
         pieces = cls.__new__(cls)
         pieces.checkpoint = None
-        pieces.prepare(model, head, mode, tag, max_rows)
+        pieces.prepare(model, head, mode, tag, max_rows, batch_size)
         return pieces
 
     def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
         """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension
         marked dynamic, or with rows_dynamic False only the cache slots, as generate.py does)."""
-        steps = steps or self.steps
+        steps, B = steps or self.steps, self.batch_size
         pos = torch.arange(PREFIX, PREFIX + rows)
-        tokens = torch.randint(0, min(1000, self.model.config.vocab_size), (1, rows))
+        tokens = torch.randint(0, min(1000, self.model.config.vocab_size), (B, rows))
         mask = causal_mask(pos, PREFIX + rows)
+        pos_dims, mask_dims = [0], [0, 1]
+        if B > 1:  # batched.py's shapes: slots [B, n] and masks [B, 1, n, S], each row its own
+            pos, mask = pos.expand(B, -1).contiguous(), mask.expand(B, 1, -1, -1).contiguous()
+            pos_dims, mask_dims = [1], [2, 3]
         if piece == "verify":
-            dynamic(*([(tokens, [1]), (pos, [0]), (mask, [0, 1])] if rows_dynamic else [(mask, [1])]))
+            dynamic(*([(tokens, [1]), (pos, pos_dims), (mask, mask_dims)] if rows_dynamic else [(mask, mask_dims[-1:])]))
             return lambda: steps["verify"](self.model, tokens, pos, mask)
-        features = self.feature.expand(1, rows, -1).contiguous()
-        dynamic((tokens, [1]), (pos, [0]), (mask, [0, 1]), (features, [1]))
+        features = self.feature.expand(B, rows, -1).contiguous()
+        dynamic((tokens, [1]), (pos, pos_dims), (mask, mask_dims), (features, [1]))
         if piece == "draft":
             return lambda: steps["draft"](self.model, self.head, tokens, features, pos, mask)
         if piece == "update":
@@ -187,35 +196,49 @@ class Pieces:
 CALIBRATION_ROWS = {"verify": [1, 2, 3, 4, 6, 8, 12, 16], "draft": [1, 2, 4, 8], "update": [2, 3, 4, 5],
                     "move": [2, 3, 4, 5]}
 CALIBRATION_REPS = 5
+BATCH_ROWS = CALIBRATION_ROWS  # batched cycles: trees of up to 16 nodes (a larger batch wants a smaller tree)
 # a cycle's and a vanilla step's host work beyond their forwards, measured on AVX-512 BF16 (int4 compiled, one
 # thread: chain-1's phases less its forwards, results/2026-12-01-cycle-overheads); main()'s defaults
 OVERHEAD_MS, DECODE_OVERHEAD_MS = 0.8, 0.25
 
 
+def piece_costs(pieces_by_key: dict, rows_by_piece: dict, reps: int, seed: int = 0):
+    """{key: {piece_ms: {rows: median ms}}} and the wall medians alike, of Pieces timed round-robin (every key,
+    piece and row count in one rotation); each callable is warmed up (compiled) first."""
+    jobs = {}
+    for key, pieces in pieces_by_key.items():
+        for piece, rows in rows_by_piece.items():
+            for n in rows:
+                jobs[key, piece, n] = pieces.call(piece, n)
+                jobs[key, piece, n]()  # compiles (once per piece, and for one row) and warms up
+                jobs[key, piece, n]()
+    medians, wall = timed_round_robin(jobs, reps, seed)
+    return ({key: {f"{piece}_ms": {str(n): medians[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
+             for key in pieces_by_key},
+            {key: {piece: {str(n): wall[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
+             for key in pieces_by_key})
+
+
 @torch.no_grad()
-def calibrate(model, head, precision: str, mode: str) -> dict:
+def calibrate(model, head, precision: str, mode: str, batch_size: int = 1) -> dict:
     """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
     pieces at CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve can choose from), medians of
-    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is. 6 s eager for int4
-    here, 4 min compiled (with the cores shared); generate.py caches it. main()'s full profile replaces it."""
+    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is; with batch_size > 1
+    the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for int4 here, 4 min
+    compiled (with the cores shared); generate.py caches it. main()'s full profile replaces it."""
     from generate import profile_model
 
     start = time.perf_counter()
-    pieces = Pieces.of(model, head, mode, f"calibration_{precision}", max(CALIBRATION_ROWS["verify"]))
-    jobs = {}
-    for piece, rows in CALIBRATION_ROWS.items():
-        for n in rows:
-            jobs[piece, n] = pieces.call(piece, n)
-            jobs[piece, n]()  # compiles (once per piece, and for one row) and warms up
-    medians, _ = timed_round_robin(jobs, CALIBRATION_REPS)
+    pieces = Pieces.of(model, head, mode, f"calibration_{precision}_b{batch_size}", max(CALIBRATION_ROWS["verify"]),
+                       batch_size)
+    costs = piece_costs({precision: pieces}, CALIBRATION_ROWS, CALIBRATION_REPS)[0]
     return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
             "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
             "reps": CALIBRATION_REPS, "prefix_len": PREFIX, "overhead_ms": OVERHEAD_MS,
             "decode_overhead_ms": DECODE_OVERHEAD_MS,
-            "precisions": {precision: {f"{piece}_ms": {str(n): medians[piece, n] for n in rows}
-                                       for piece, rows in CALIBRATION_ROWS.items()}},
+            "precisions": costs if batch_size == 1 else {}, "batches": {} if batch_size == 1 else {str(batch_size): costs},
             "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -291,10 +314,15 @@ def main(argv=None):
     p.add_argument("--decode_overhead_ms", type=float, default=DECODE_OVERHEAD_MS,
                    help="host work of a vanilla step beyond its forward")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch_sizes", type=int, nargs="*", default=[], metavar="B",
+                   help="also the pieces of batched cycles of B rows each (batched.py; generate.py --batch_size B "
+                   "--tree auto reads them), at row counts BATCH_ROWS")
     p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
                    help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled with "
                    "generate.AUTOTUNE_OPTIONS against the default: generate.py --autotune auto follows the result")
     args = p.parse_args(argv)
+    if any(b < 2 for b in args.batch_sizes):
+        p.error("--batch_sizes are batch sizes of 2 or more (batch size 1 is the main profile)")
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     start, load_before = time.perf_counter(), os.getloadavg()
@@ -353,6 +381,14 @@ def main(argv=None):
             autotune[precision] = {"rows": rows, "default_ms": default, "autotuned_ms": tuned,
                                    "ratio": round(ratio, 3), "faster": ratio < 1 - AUTOTUNE_MARGIN}
             print(f"{precision}: autotuned / default verify time {ratio:.3f} at rows {rows}", file=sys.stderr)
+    batches = {}
+    for batch_size in args.batch_sizes:  # each precision's pieces again, at this batch size (after the others)
+        t = time.perf_counter()
+        for precision, pc in pieces.items():
+            pc.prepare(pc.model, pc.head, args.mode, f"{precision}_b{batch_size}", max(BATCH_ROWS["verify"]), batch_size)
+        costs, wall_costs = piece_costs(pieces, BATCH_ROWS, args.reps, seed=3)
+        batches[str(batch_size)] = {precision: {**c, "wall_ms": wall_costs[precision]} for precision, c in costs.items()}
+        print(f"batch {batch_size}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     profile = {
         "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
@@ -369,7 +405,7 @@ def main(argv=None):
             **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},
             "wall_ms": {piece: {str(n): wall[precision, piece, n] for n in rows_of(piece)} for piece in PIECES}}
             for precision, pc in pieces.items()},
-        "check": check, "autotune": autotune, "warm_up_s": compile_s, "graphs": graphs,
+        "batches": batches, "check": check, "autotune": autotune, "warm_up_s": compile_s, "graphs": graphs,
         "load_average": {"start": [round(v, 2) for v in load_before], "end": [round(v, 2) for v in os.getloadavg()]},
         "wall_s": round(time.perf_counter() - start, 1),
     }

@@ -151,6 +151,25 @@ def test_from_profile_reads_a_profile_costs_json():
     assert paths and speedup == pytest.approx(tau / c.cycle_ms(paths) * c.decode_ms)
 
 
+def test_batched_costs_choose_for_the_batch_size():
+    """profile["batches"][B] holds the batched cycle's pieces: from_profile(..., B) reads them and counts the host
+    work once per row; where a batch's verify grows with its rows (matmuls no longer spare), the tree chosen for
+    batch 8 is smaller than batch 1's, and a batch size the profile lacks is not in it."""
+    one = {"verify_ms": {"1": 10.0, "4": 10.6, "8": 11.2, "16": 12.5}, "draft_ms": {"1": 0.5, "8": 0.6},
+           "update_ms": {"2": 0.6, "9": 0.7}, "move_ms": {"2": 0.1, "9": 0.1}}
+    eight = {"verify_ms": {"1": 14.0, "2": 20.0, "4": 33.0, "8": 60.0, "16": 115.0}, "draft_ms": {"1": 1.0, "8": 3.0},
+             "update_ms": {"2": 1.5, "9": 3.0}, "move_ms": {"2": 0.2, "9": 0.4}}
+    profile = {"overhead_ms": 0.5, "decode_overhead_ms": 0.2, "precisions": {"int4": one}, "batches": {"8": {"int4": eight}}}
+    assert CycleCosts.in_profile(profile, "int4", 8) and not CycleCosts.in_profile(profile, "int4", 4)
+    assert not CycleCosts.in_profile(profile, "int8", 8) and not CycleCosts.in_profile(None, "int4")
+    c8 = CycleCosts.from_profile(profile, "int4", 8)
+    assert c8.decode_ms == pytest.approx(14.0 + 8 * 0.2)
+    assert c8.cycle_ms([[0]]) == pytest.approx(20.0 + 1.5 + 8 * 0.5)
+    p = [[0.7, 0.1, 0.05, 0.03]] * 6
+    best1, best8 = auto_tree(p, CycleCosts.from_profile(profile, "int4")), auto_tree(p, c8)
+    assert len(best8.paths) < len(best1.paths) and best1.speedup > best8.speedup
+
+
 def test_shipped_acceptance_model_is_well_formed():
     """The shipped head's acceptance.json (scripts/train_eagle.py eval) gives probabilities per depth that
     sum to at most 1, from enough nodes, and a tree build_tree accepts."""
@@ -396,3 +415,14 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
     prompt = tiny_prompts(1, model.config.vocab_size, seed=3)[0]
     out, _ = generate.Session(model, 64, head, tree.parse_tree(spec)).generate(prompt, 20, generate.Sampling())
     assert out == vanilla_greedy(model, prompt, 20)
+    # batch 3: a calibration of the batched cycle, kept beside batch 1's
+    with torch.no_grad():
+        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
+    assert "calibrating" in capsys.readouterr().err
+    saved = json.loads(next((tmp_path / ".cache" / "eagle-fast").glob("calibration-*-eager.json")).read_text())
+    assert set(saved["precisions"]) == {"fp32"} and set(saved["batches"]) == {"3"}
+    assert all(v > 0 for v in saved["batches"]["3"]["fp32"]["verify_ms"].values())
+    with torch.no_grad():
+        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
+        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
+    assert "calibrating" not in capsys.readouterr().err
