@@ -120,12 +120,26 @@ class BatchedSession:
             steps = [compile_step(f, fullgraph=True, dynamic=False) for f in steps]
         self.decode, self.verify, self.draft_step, self.update = steps
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
-        model.setup_caches(batch_size, max_seq_len + scratch)
+        self.cache_len = max_seq_len + scratch
+        self.head_cache_len = None if head is None else max_seq_len + max(scratch, tree.draft_slots)
+        self.setup_caches()
         if head is not None:
             self.tree = tree.to(self.device)
-            head.setup_caches(max_seq_len + max(scratch, tree.draft_slots), batch_size=batch_size)
             if head.lm_head is None:
                 head.bind(model.output.weight)
+
+    def setup_caches(self, cache_len: int = 0, head_cache_len: int = 0):
+        """The target's (and head's) KV caches for batch_size rows of at least cache_len (head_cache_len) slots,
+        this session's by default: sessions sharing a model share its caches, and each generate call makes
+        sure they fit it (reallocated only when they do not)."""
+        self.cache_len, model = max(self.cache_len, cache_len), self.model
+        if model.max_batch_size != self.batch_size or model.max_seq_len < self.cache_len:
+            model.setup_caches(self.batch_size, self.cache_len)
+        if self.head is not None:
+            self.head_cache_len = max(self.head_cache_len, head_cache_len)
+            cache = self.head.attention.kv_cache
+            if cache is None or cache.k_cache.shape[0] != self.batch_size or self.head.max_seq_len < self.head_cache_len:
+                self.head.setup_caches(self.head_cache_len, batch_size=self.batch_size)
 
     def live(self, mask: Tensor) -> Tensor:
         """A step's mask over the live slots: their count is dynamic in the compiled graphs (one graph serves
@@ -143,6 +157,7 @@ class BatchedSession:
             raise UsageError("no prompts to generate for: give at least one")
         for p in prompts:
             check_fits(len(p), max_new_tokens, self.max_seq_len)
+        self.setup_caches()
         self.model.feature_layers = None if self.head is None else self.head.feature_layers
         queue, finished = [(i, list(p)) for i, p in enumerate(prompts)], []
         start = time.perf_counter()

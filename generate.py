@@ -728,17 +728,18 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     return best
 
 
-def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
-                  calibrate_with: Optional[tuple] = None, batch_size: int = 1):
-    """--tree auto: the spec of the static tree (and context branch) tree.auto_tree predicts fastest from
-    cycle_models; chain-1 with a one-line hint when either model is missing. The context branch only when
-    greedy: its match counts are greedy ones, and sampled text repeats itself less (on the 80 MT-bench first
-    turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran at 1.04x). batch_size > 1: the tree for batched
-    cycles of that many rows (the paper: a larger batch wants a smaller tree)."""
+def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
+                     calibrate_with: Optional[tuple] = None, batch_size: int = 1):
+    """--tree auto: the static tree (and context branch), a tree.AutoTree with its predicted tau and speedup,
+    that tree.auto_tree predicts fastest from cycle_models, said on stderr; None with a one-line hint when either
+    model is missing. The context branch only when greedy: its match counts are greedy ones, and sampled text
+    repeats itself less (on the 80 MT-bench first turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran
+    at 1.04x). batch_size > 1: the tree for batched cycles of that many rows (the paper: a larger batch wants a
+    smaller tree)."""
     costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
-        return "chain-1"
+        return None
     best = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN,
                      lookup_joints=acceptance.get("lookup", {}).get("joints") if greedy else None)
     batch = f", batch {batch_size}" if batch_size > 1 else ""
@@ -746,7 +747,13 @@ def auto_tree_for(head_dir: Path, model: Transformer, device: str, greedy: bool 
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
           f"{precision_of(model)}, {torch.get_num_threads()} threads{batch}{slower}; {profile_source(path)})",
           file=sys.stderr)
-    return best.spec
+    return best
+
+
+def auto_tree_for(*args, **kwargs) -> str:
+    """The spec of auto_tree_choice's tree (same arguments); chain-1 when it has none."""
+    best = auto_tree_choice(*args, **kwargs)
+    return "chain-1" if best is None else best.spec
 
 
 def autotune_options(choice: str, model: Transformer, device: str) -> dict:

@@ -6,6 +6,7 @@
     python scripts/benchmark.py --questions my.jsonl              # any MT-bench-format JSONL, by category
     python scripts/benchmark.py --datasets mtbench --per_category 1  # one question of each of the 8 categories
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
+    python scripts/benchmark.py --batch_sizes 1 2 4 8             # batched throughput (scripts/benchmark_batch.py)
 
 Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled}`, `eagle-TREE-DTYPE-MODE`
 for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
@@ -889,6 +890,10 @@ def render(tokenizer, turns: list, answers: list) -> list:
 
 
 def main(argv=None):
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--batch_sizes" or a.startswith("--batch_sizes=") for a in argv_list):
+        from scripts import benchmark_batch  # batched throughput: a benchmark of its own (its docstring)
+        return benchmark_batch.main(argv_list)
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

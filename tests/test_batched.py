@@ -81,6 +81,20 @@ def test_finished_rows_are_refilled(spec):
     assert stats.target_forwards < in_batches
 
 
+def test_sessions_of_other_batch_sizes_share_a_model():
+    """Sessions of batch 2 and 3 (vanilla and EAGLE) on one model, called in turn: each call sets the shared
+    caches up for its own batch (a session sharing the model with another reallocates nothing it fits)."""
+    model = tiny_target()
+    head = copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(4, model.config.vocab_size, seed=8), 10
+    ref = session_outputs(model, head, "paper", prompts, n, frozenset())[0]
+    sessions = [BatchedSession(model, 12 + n, b, h, t) for b in (2, 3) for h, t in ((None, None), (head, parse_tree("paper")))]
+    for _ in range(2):
+        for s in sessions:
+            assert s.generate(prompts, n, Sampling())[0] == ref
+            assert model.max_batch_size == s.batch_size
+
+
 @pytest.mark.parametrize("spec", [None, "paper"])
 def test_compiled_batched_session_does_not_recompile(spec):
     """Compiled steps give the eager tokens; after a warm-up batch, batches of other prompts (rows advancing and
