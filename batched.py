@@ -4,8 +4,8 @@ A BatchedSession holds B rows. Each row keeps its own length: its tokens sit at 
 row of the target's and the head's KV caches (model.py takes per-row slots input_pos [B, T] and per-row masks
 [B, 1, T, S]). One cycle runs every row at once:
 
-1. draft: the head grows the same static tree from each row's last committed token, one head forward of
-   B x (the level's nodes) per tree level;
+1. draft: the head grows a tree from each row's last committed token, one head forward of B x (the level's
+   nodes) per tree level;
 2. verify: the target runs once over the B x n tree nodes, each row at its own slots and rotary positions;
 3. accept: each row takes its own path, by the single-sequence rules (generate.accept_greedy and the lossless
    generate.accept_sampling), so each row's output is what a Session would give it;
@@ -13,10 +13,11 @@ row of the target's and the head's KV caches (model.py takes per-row slots input
 
 Each row is prefilled alone (a batch-1 forward into its row of the caches). A row that finishes (stop token,
 token budget) is refilled at once with the next prompt waiting (continuous batching); with none left it rides
-along, its results ignored, until every row is done. Vanilla (no head) decodes the B rows one token each per step, so that the comparison with
-EAGLE is fair. Static trees only (chains, the paper tree, lists of paths, a context branch); the dynamic tree
-is single-sequence (generate.Session). compile=True runs the steps as full graphs of static shape, the live
-slot count of their masks dynamic, so nothing recompiles as rows advance, finish and are refilled.
+along, its results ignored, until every row is done. Vanilla (no head) decodes the B rows one token each per
+step, so that the comparison with EAGLE is fair. Static trees (chains, the paper tree, lists of paths, a
+context branch) share one structure across rows; the dynamic tree (EAGLE-2) grows each row's own tree, its
+mask and depths per row. compile=True runs the steps as full graphs of static shape, the live slot count of
+their masks dynamic, so nothing recompiles as rows advance, finish and are refilled.
 """
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from eagle_head import EagleHead
 from generate import (HeadPrediction, Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens, check_fits,
                       compile_step, draft_step, head_prediction, sample)
 from model import Transformer, causal_mask, narrow_caches
-from tree import ContextLookup, Tree, tree_attention_mask
+from tree import ContextLookup, DynamicTree, Tree, ancestor_mask, children_of, tree_attention_mask
 
 
 @dataclass
@@ -54,6 +55,20 @@ class Row:
         self.budget -= len(new)
         self.done = stop is not None or self.budget == 0
         return new
+
+
+@dataclass
+class RowsDraft:
+    """One cycle's drafts of every row: tokens [B, n]; a static tree's structure, shared (depths [n], tree_mask
+    [n, n]), or a dynamic tree's, each row its own (depths [B, n], tree_mask [B, n, n]); parents and children:
+    lists per row."""
+    tokens: Tensor
+    depths: Tensor
+    tree_mask: Tensor
+    parents: list
+    children: list
+    draft_probs: Optional[Tensor] = None  # [B, n, vocab] (static trees, sampling; None: one-hot proposals)
+    lookup_from: Optional[int] = None  # context nodes from this index on
 
 
 @dataclass
@@ -100,9 +115,11 @@ def rows_tensor(values: list, device) -> Tensor:
 
 def row_masks(bases: Tensor, tree_mask: Tensor) -> Tensor:
     """[B, 1, n, S] bool: row b's nodes at slots bases[b].. see its prefix and their ancestors (tree_mask
-    [n, n]); S: the live slots of the longest row (attention reads no slot past them)."""
-    slots = int(bases.max()) + tree_mask.shape[0]
-    return torch.stack([tree_attention_mask(int(b), tree_mask, slots) for b in bases])[:, None]
+    [n, m], or [B, n, m] each row its own; m: the slots past the prefix they may see); S: the live slots of
+    the longest row (attention reads no slot past them)."""
+    slots = int(bases.max()) + tree_mask.shape[-1]
+    masks = [tree_mask if tree_mask.dim() == 2 else tree_mask[i] for i in range(len(bases))]
+    return torch.stack([tree_attention_mask(int(b), m, slots) for b, m in zip(bases, masks)])[:, None]
 
 
 class BatchedSession:
@@ -110,9 +127,8 @@ class BatchedSession:
 
     def __init__(self, model: Transformer, max_seq_len: int, batch_size: int, head: Optional[EagleHead] = None,
                  tree: Optional[Tree] = None, compile: bool = False):
-        if head is not None and not isinstance(tree, Tree):
-            raise UsageError("batched EAGLE drafts static trees (chain-N, paper, a list of paths, +lookup-N); "
-                             "run a dynamic tree one sequence at a time")
+        if head is not None and not isinstance(tree, (Tree, DynamicTree)):
+            raise UsageError("batched EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, batch_size
         self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
         steps = (decode_rows, verify_rows, draft_step, update_rows)
@@ -240,18 +256,20 @@ class BatchedSession:
         forwards = 0
         while not all(r.done for r in rows):
             bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
-            tokens, draft_probs = self._draft(rows, bases, root, sampling)  # 1. [B, n]
-            out, features = self._verify(tokens, bases, sampling)  # 2.
+            draft = (self._draft_dynamic(rows, bases, root) if isinstance(self.tree, DynamicTree)
+                     else self._draft(rows, bases, root, sampling))  # 1.
+            out, features = self._verify(draft, bases, sampling)  # 2.
             forwards += 1
             paths, new = [], []
             for b, r in enumerate(rows):  # 3. each row its own path and bonus token
                 if r.done:
                     paths.append([0])
-                    new.append([tokens[b, 0].item()])
+                    new.append([draft.tokens[b, 0].item()])
                     continue
-                path, bonus = self._accept(tokens[b], out[b], sampling, None if draft_probs is None else draft_probs[b])
+                path, bonus = self._accept(draft, b, out[b], sampling)
+                tokens = draft.tokens[b].tolist()
                 paths.append(path)
-                new.append([tokens[b, i].item() for i in path[1:]] + [bonus])
+                new.append([tokens[i] for i in path[1:]] + [bonus])
                 r.accept_lengths.append(len(path) - 1)
             root = self._commit(rows, bases, paths, new, features)  # 4.
             for b, (r, path, tokens_b) in enumerate(zip(rows, paths, new)):
@@ -297,21 +315,67 @@ class BatchedSession:
                                      (bases + depth - 1)[:, None].expand(B, m),
                                      self.live(head_mask[:, :, first - 1:end - 1]), k)
             parent_first = first
-        return tokens, draft_probs
+        parents = tree.parents.tolist()
+        return RowsDraft(tokens, tree.depths, tree.tree_mask, [parents] * B, [tree.children] * B, draft_probs,
+                         n_head if tree.lookup else None)
 
-    def _verify(self, tokens: Tensor, bases: Tensor, sampling: Sampling):
+    def _draft_dynamic(self, rows: list, bases: Tensor, root) -> RowsDraft:
+        """Step 1 with EAGLE-2's dynamic tree, as tree.DynamicTree.draft for each row at once: every row expands its
+        own top_k frontier for depth levels (one head forward of B x top_k nodes per level; frontier node i of
+        depth d at head slot base + (d - 1) * top_k + i), then keeps its best total_tokens nodes: each row its
+        own tree (parents, depths and mask per row; one-hot proposals at any temperature)."""
+        tree, head, B, K, device = self.tree, self.head, len(rows), self.tree.top_k, self.device
+        batch = torch.arange(B, device=device)[:, None]
+        # the candidate pool in creation order, chunked [B, ...]: tokens, cumulative log-probs, parents (pool
+        # index, -1: the root), depths
+        pool = [(root.top_tokens[:, 0], root.top_logp[:, 0], torch.full((B, K), -1, device=device),
+                 torch.ones(B, K, dtype=torch.long, device=device))]
+        frontier = torch.arange(K, device=device).repeat(B, 1)  # [B, K] pool indices
+        frontier_hidden = root.hidden.expand(B, K, -1)
+        frontier_slots = torch.zeros(B, K, tree.draft_slots, dtype=torch.bool, device=device)  # scratch ancestors
+        root_tokens = rows_tensor([[r.tokens[-1]] for r in rows], device)  # [B, 1]
+        for depth in range(1, tree.depth):
+            tokens, scores, pool_parents, _ = (torch.cat(chunks, dim=1) for chunks in zip(*pool))
+            own = torch.arange((depth - 1) * K, depth * K, device=device)
+            frontier_slots[:, torch.arange(K, device=device), own] = True
+            parent_tokens = torch.cat([root_tokens, tokens], 1).gather(1, pool_parents.gather(1, frontier) + 1)
+            pred = self.draft_step(self.model, head, head.pair_tokens(tokens.gather(1, frontier), parent_tokens),
+                                   frontier_hidden, bases[:, None] + own, (bases + depth - 1)[:, None].expand(B, K),
+                                   self.live(row_masks(bases, frontier_slots)), K)
+            child_scores = (scores.gather(1, frontier)[:, :, None] + pred.top_logp).flatten(1)  # [B, K * K]
+            pool.append((pred.top_tokens.flatten(1), child_scores, frontier.repeat_interleave(K, dim=1),
+                         torch.full((B, K * K), depth + 1, device=device)))
+            best = child_scores.topk(K).indices  # each row's next frontier: its best K children
+            frontier_slots, frontier_hidden = frontier_slots[batch, best // K], pred.hidden[batch, best // K]
+            frontier = tokens.shape[1] + best
+        tokens, scores, pool_parents, depths = (torch.cat(chunks, dim=1) for chunks in zip(*pool))
+        # each row's best nodes by score; on equal score the shallower first, so a node's parent is always kept
+        order = torch.sort(depths, dim=1, stable=True).indices
+        order = order.gather(1, torch.sort(scores.gather(1, order), dim=1, descending=True, stable=True).indices)
+        keep = order[:, : tree.total_tokens]
+        keep = keep.gather(1, torch.sort(depths.gather(1, keep), dim=1, stable=True).indices)  # parents first
+        index_of = torch.zeros(B, tokens.shape[1] + 1, dtype=torch.long, device=device)  # pool index -> node
+        index_of.scatter_(1, keep + 1, torch.arange(1, tree.total_tokens + 1, device=device).repeat(B, 1))
+        parents = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
+                             index_of.gather(1, pool_parents.gather(1, keep) + 1)], 1)  # [B, n]
+        masks, node_depths = zip(*(ancestor_mask(p, tree.depth) for p in parents))
+        parents = parents.tolist()
+        return RowsDraft(torch.cat([root_tokens, tokens.gather(1, keep)], 1), torch.stack(node_depths),
+                         torch.stack(masks), parents, [children_of(p) for p in parents])
+
+    def _verify(self, draft: RowsDraft, bases: Tensor, sampling: Sampling):
         """Step 2: the target over every row's nodes: greedy tokens (or logits) after each node, and features."""
-        n = tokens.shape[1]
+        n = draft.tokens.shape[1]
         input_pos = bases[:, None] + torch.arange(n, device=self.device)
-        return self.verify(self.model, tokens, input_pos, bases[:, None] + self.tree.depths,
-                           self.live(row_masks(bases, self.tree.tree_mask)), sampling.greedy)
+        return self.verify(self.model, draft.tokens, input_pos, bases[:, None] + draft.depths,
+                           self.live(row_masks(bases, draft.tree_mask)), sampling.greedy)
 
-    def _accept(self, tokens: Tensor, out: Tensor, sampling: Sampling, draft_probs: Optional[Tensor]):
-        tree = self.tree
+    def _accept(self, draft: RowsDraft, b: int, out: Tensor, sampling: Sampling):
+        """Step 3 for row b: its accepted path (node indices, root first) and bonus token."""
         if sampling.greedy:
-            return accept_greedy(tokens.tolist(), out.tolist(), tree.parents.tolist())
-        lookup_from = len(tree.paths) + 1 if tree.lookup else None
-        return accept_sampling(tokens.tolist(), out, tree.children, sampling, draft_probs, lookup_from)
+            return accept_greedy(draft.tokens[b].tolist(), out.tolist(), draft.parents[b])
+        return accept_sampling(draft.tokens[b].tolist(), out, draft.children[b], sampling,
+                               None if draft.draft_probs is None else draft.draft_probs[b], draft.lookup_from)
 
     def _commit(self, rows: list, bases: Tensor, paths: list, new: list, features: Tensor):
         """Step 4: each row's accepted nodes' KV entries move to the slots after its prefix, and the head reads

@@ -847,7 +847,7 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (batched.py): the "
-                   "prompts x samples run this many at a time (EAGLE: static trees)")
+                   "prompts x samples run this many at a time, a finished row taking the next at once")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int)
     p.add_argument("--top_p", type=float, default=1.0)

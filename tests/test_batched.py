@@ -16,7 +16,7 @@ from tree import parse_tree
 pytestmark = pytest.mark.usefixtures("lean_torch")
 
 HEAD_NOISE = 1.5  # the copycat head with its attention undamped: a wrong draft mask changes its drafts
-BATCHED_TREES = ["chain-4", "paper", CUSTOM_TREE, "paper+lookup-3", "chain-1+lookup-4"]
+BATCHED_TREES = ["chain-4", "paper", CUSTOM_TREE, "paper+lookup-3", "chain-1+lookup-4", "dynamic-4-4-12", "dynamic-2-5-9"]
 
 
 def session_outputs(model, head, spec, prompts, n, stop_ids):
@@ -59,7 +59,7 @@ def test_batched_greedy_equals_single_sequences(spec):
         assert max(map(max, ref_accepts)) >= 2 and stats.target_forwards == max(map(len, ref_accepts))
 
 
-@pytest.mark.parametrize("spec", [None, "paper", "chain-1+lookup-4"])
+@pytest.mark.parametrize("spec", [None, "paper", "chain-1+lookup-4", "dynamic-4-4-12"])
 def test_finished_rows_are_refilled(spec):
     """Seven prompts through a batch of three: each finished row takes the next prompt at once (the batch holds
     three until the queue runs dry), and every prompt gets a single-sequence Session's tokens and acceptances,
@@ -95,7 +95,7 @@ def test_sessions_of_other_batch_sizes_share_a_model():
             assert model.max_batch_size == s.batch_size
 
 
-@pytest.mark.parametrize("spec", [None, "paper"])
+@pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12"])
 def test_compiled_batched_session_does_not_recompile(spec):
     """Compiled steps give the eager tokens; after a warm-up batch, batches of other prompts (rows advancing and
     finishing at their own steps) compile nothing new."""
@@ -118,8 +118,8 @@ def test_compiled_batched_session_does_not_recompile(spec):
 
 def test_batched_session_refuses_bad_input():
     model = tiny_target()
-    with pytest.raises(UsageError, match="static trees"):
-        BatchedSession(model, 32, 2, copycat_head(model), parse_tree("dynamic-4-4-12"))
+    with pytest.raises(UsageError, match="needs a tree"):
+        BatchedSession(model, 32, 2, copycat_head(model), None)
     session = BatchedSession(model, 32, 2)
     with pytest.raises(UsageError, match="no prompts"):
         session.generate([], 4, Sampling())
@@ -159,6 +159,13 @@ def test_batched_sampling_is_lossless(monkeypatch):
     assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
     assert counts["sampled_drafts"] == counts["cycles"] and counts["accepted"] > 0.5 * counts["cycles"]
     assert counts["sibling_rejected"] > 0.05 * counts["cycles"] and counts["children_rejected"] > 0.05 * counts["cycles"]
+
+
+def test_batched_dynamic_tree_sampling_is_lossless(monkeypatch):
+    """Each row's own dynamic tree (one-hot proposals of the draft's best tokens) under top-p: the target's law."""
+    ps, counts = batched_sampling("topp0.8-dynamic", batched.accept_sampling, monkeypatch)
+    assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
+    assert counts["accepted"] > 0.3 * counts["cycles"]
 
 
 def test_batched_sampling_with_a_broken_verifier_fails(monkeypatch):

@@ -855,7 +855,6 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
     "batch size 0": ["--batch_size", "0"],
     "batch with a compiled prefill": ["--batch_size", "2", "--compile_prefill"],
-    "batch of dynamic trees": ["--batch_size", "2", "--eagle", "--eagle_head", "{files}/head", "--tree", "dynamic-4-3-8"],
 }
 
 
