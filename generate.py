@@ -587,9 +587,16 @@ def load(args):
         head.check_fits(model.config, model.config.vocab_size)
         if model.quantization is not None:
             quantize.quantize_head_like(head, model)
-        mode = "dynamic" if args.compile or args.compile_prefill else "eager"
-        tree = (parse_tree(auto_tree_for(Path(head_dir), model, args.device, args.temperature == 0, (head, mode),
-                                         getattr(args, "batch_size", 1))) if auto else tree).to(args.device)
+        if auto:
+            mode = "dynamic" if args.compile or args.compile_prefill else "eager"
+            best = auto_tree_choice(Path(head_dir), model, args.device, args.temperature == 0, (head, mode),
+                                    getattr(args, "batch_size", 1))
+            if best is not None and best.speedup < 1:  # e.g. a large batch, whose matmuls no longer spare rows
+                print("tree auto: plain decoding runs instead, the faster here (--tree TREE runs EAGLE anyway)",
+                      file=sys.stderr)
+                return model, tokenizer, None, None
+            tree = parse_tree(best.spec if best else "chain-1")
+        tree = tree.to(args.device)
     return model, tokenizer, head, tree
 
 

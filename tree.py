@@ -464,8 +464,10 @@ class AutoTree(NamedTuple):
 
     @property
     def spec(self) -> str:
-        """The --tree spec of this tree (parse_tree's input)."""
-        return str(self.paths) + (f"+lookup-{self.lookup}" if self.lookup else "")
+        """The --tree spec of this tree (parse_tree's input): chain-N for a chain, else its list of paths."""
+        depth = len(self.paths)
+        head = f"chain-{depth}" if self.paths == chain(depth) else str(self.paths)
+        return head + (f"+lookup-{self.lookup}" if self.lookup else "")
 
 
 def predict(spec: str, p, costs: Optional[CycleCosts], lookup_joints=None):

@@ -895,6 +895,36 @@ def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, caps
     assert "batch of 2, 2 sequences" in err and "tau per sequence" in err
 
 
+def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files, tmp_path, monkeypatch, capsys):
+    """--tree auto where this machine's profile makes every tree slower than vanilla (each verify row costs a
+    whole step, as in a large batch): generate.py says so and decodes plainly, the vanilla text."""
+    import shutil
+
+    import tree as tree_module
+    from generate import profile_model
+
+    head_dir = tmp_path / "head"
+    shutil.copytree(cli_files / "head", head_dir)
+    (head_dir / "acceptance.json").write_text(json.dumps({"p": [[0.5, 0.1, 0.05, 0.03]] * 6}))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    steep = {str(n): 10.0 * n for n in (1, 2, 4, 8, 16)}
+    profile = {"model": profile_model(ModelArgs.from_checkpoint_dir(REPO_ROOT / "checkpoints" / "HuggingFaceTB"
+                                                                     / "SmolLM2-135M-Instruct")),
+               "precisions": {"fp32": {"verify_ms": steep, "draft_ms": {"1": 3.0, "16": 5.0},
+                                       "update_ms": {"2": 3.0, "9": 5.0}, "move_ms": {"2": 0.1, "9": 0.1}}}}
+    path = tree_module.cost_profile_path(torch.get_num_threads())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile))
+    argv = ["--prompt", "The owl", "--max_new_tokens", "8"]
+    code, vanilla_out, err = run_cli_in_process(argv, monkeypatch, capsys)
+    assert code == 0, err
+    code, out, err = run_cli_in_process(argv + ["--eagle", "--eagle_head", head_dir, "--tree", "auto"], monkeypatch,
+                                        capsys)
+    assert code == 0, err
+    assert "vanilla decoding is predicted faster" in err and "plain decoding runs instead" in err
+    assert out == vanilla_out and "tokens/forward" not in err
+
+
 def test_cli_precision_names_a_dtype_or_quantization(monkeypatch, capsys):
     """--precision fp32 / bf16 run as --dtype float32 / bfloat16 (same text)."""
     argv = ["--raw", "--prompt", "The owl", "--max_new_tokens", "6"]
