@@ -40,7 +40,7 @@ MIN_ANSWER_ROOM = 32  # a conversation's next turn is asked only if at least thi
 # 135M target's greedy answers do: 81 of the first 112 ran on to the 512-token budget repeating one sentence, and
 # with a cut at period 32, 299 of the next 467 that reached the budget repeated a passage of 33-128 tokens, 63%
 # of their tokens inside the loop): it ends there, finish "loop", rather than spend the batch on more of the same.
-LOOP_WINDOW, LOOP_PERIOD = 64, 128
+LOOP_WINDOW, LOOP_PERIOD, LOOP_EVERY = 64, 128, 16  # checked every LOOP_EVERY tokens
 
 
 class DataError(ValueError):
@@ -78,6 +78,13 @@ def looping(answer: list) -> bool:
     tail = answer[-LOOP_WINDOW:]
     periods = range(1, min(LOOP_PERIOD, len(answer) - LOOP_WINDOW) + 1)
     return any(tail == answer[-LOOP_WINDOW - p: -p] for p in periods)
+
+
+def loop_start(answer: list, every: int = LOOP_EVERY) -> Optional[int]:
+    """Where an answer is first seen looping, checked as the engine checks (every `every` tokens): the length
+    at which a run with the loop cut would have ended it (None: it never loops). Answers stored before the cut
+    (or before its period grew to LOOP_PERIOD) run on past it, repeating the same passage."""
+    return next((n for n in range(every, len(answer) + 1, every) if looping(answer[:n])), None)
 
 
 def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: tuple) -> Tensor:
@@ -138,7 +145,7 @@ class Engine:
             return "stop"
         if len(row.answer) >= row.request.max_new_tokens or len(row.cached) >= self.max_len:
             return "length"
-        if self.cut_loops and len(row.answer) % 16 == 0 and looping(row.answer):
+        if self.cut_loops and len(row.answer) % LOOP_EVERY == 0 and looping(row.answer):
             return "loop"
         return None
 

@@ -834,23 +834,35 @@ def warmup_cosine(step: int, lr: float, warmup: int, total: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def conversation_sequences(records: list) -> Iterator[tuple]:
+def conversation_sequences(records: list, loops: bool = False) -> Iterator[tuple]:
     """(tokens, loss_mask) lists from make_data records (prompt, answer; loss on the answer). A conversation's
     later turn whose prompt starts with the whole of its previous turn (prompt + answer) extends that turn's
     sequence instead of repeating it: the target's features of a causal prefix are the same, and the target
-    pass reads each token once (1.8x fewer tokens on the first 270k answer tokens). Records in file order."""
+    pass reads each token once (1.8x fewer tokens on the first 270k answer tokens). Records in file order.
+    Unless `loops`, an answer's tokens after make_data.loop_start (where the loop cut would have ended it: the
+    same passage over and over, easy to predict and most of a looping answer) carry no loss, and a sequence
+    ends at its last token with loss."""
+    from scripts.make_data import loop_start
+
+    def done(tokens, mask):
+        end = max((i for i, m in enumerate(mask) if m), default=-1) + 1
+        return tokens[:end], mask[:end]
+
     tokens, mask, last = [], [], None
     for r in records:
         key = (r["conversation"], r["temperature"])
         if not (key == last and r["turn"] > 0 and r["prompt"][: len(tokens)] == tokens):
             if tokens:
-                yield tokens, mask
+                yield done(tokens, mask)
             tokens, mask = [], []
-        new = r["prompt"][len(tokens):]
-        tokens, mask = tokens + new + r["answer"], mask + [False] * len(new) + [True] * len(r["answer"])
+        new, answer = r["prompt"][len(tokens):], r["answer"]
+        start = None if loops else loop_start(answer)
+        keep = len(answer) if start is None else start
+        tokens = tokens + new + answer
+        mask = mask + [False] * len(new) + [True] * keep + [False] * (len(answer) - keep)
         last = key
     if tokens:
-        yield tokens, mask
+        yield done(tokens, mask)
 
 
 def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
@@ -870,7 +882,7 @@ def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
 
         def answered(records):
             return cut({"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(mask)}
-                       for tokens, mask in conversation_sequences(records))
+                       for tokens, mask in conversation_sequences(records, getattr(args, "keep_loops", False)))
 
         train = answered(load_answers(Path(args.answers), target_hash))
         held = answered(load_answers(Path(args.answers) / "heldout", target_hash))
@@ -1093,6 +1105,8 @@ def main():
     o.add_argument("--shards", help="train on the token ids (not the features) of these `data` shards instead")
     o.add_argument("--answers", help="train on the target's own answers scripts/make_data.py stored in this folder "
                    "(held out: its heldout/ folder)")
+    o.add_argument("--keep_loops", action="store_true", help="--answers: also the loss on looping answers' tokens "
+                   "past where make_data's loop cut would have ended them")
     o.add_argument("--train_sets", nargs="+", default=["generated"], help="shard sets under --shards")
     o.add_argument("--eval_json", nargs="*", default=[],
                    help="more held-out sets: sequence files such as a head's heldout-generated.json")

@@ -240,6 +240,20 @@ def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
     records = [{"conversation": 1, "temperature": 0.0, "turn": 0, "prompt": [1, 2], "answer": [3]},
                {"conversation": 1, "temperature": 0.0, "turn": 1, "prompt": [1, 2, 4, 5], "answer": [6]}]
     assert list(train_eagle.conversation_sequences(records)) == [([1, 2, 3], [F, F, T]), ([1, 2, 4, 5, 6], [F, F, F, F, T])]
+    # a looping answer: loss up to where the loop cut would have ended it, then nothing; a later turn that
+    # continues it keeps the looped tokens as context
+    loop = list(range(100, 140)) + [7, 8, 9] * 60  # period 3 from token 40 on
+    start = make_data.loop_start(loop)
+    assert start is not None and start % make_data.LOOP_EVERY == 0 and 40 + make_data.LOOP_WINDOW <= start < 40 + 64 + 16
+    assert make_data.loop_start(list(range(300))) is None
+    looped = [{"conversation": 2, "temperature": 0.0, "turn": 0, "prompt": [1, 2], "answer": loop}]
+    (tokens, mask), = train_eagle.conversation_sequences(looped)
+    assert tokens == [1, 2] + loop[:start] and mask == [F, F] + [T] * start
+    (tokens, mask), = train_eagle.conversation_sequences(looped, loops=True)
+    assert tokens == [1, 2] + loop and sum(mask) == len(loop)
+    looped.append({"conversation": 2, "temperature": 0.0, "turn": 1, "prompt": [1, 2] + loop + [5], "answer": [6]})
+    (tokens, mask), = train_eagle.conversation_sequences(looped)
+    assert tokens == [1, 2] + loop + [5, 6] and mask == [F, F] + [T] * start + [F] * (len(loop) - start + 1) + [T]
     with pytest.raises(DataError, match="other weights"):
         train_eagle.online_sequences(args, "another")
     batch = train_eagle.target_pass(target, EagleHead(target.config), train_eagle.packed_batch(train, [[0, 1]]))
