@@ -123,10 +123,10 @@ def row_masks(bases: Tensor, tree_mask: Tensor) -> Tensor:
 
 
 class BatchedSession:
-    """B sequences decoded together by a target (and an optional EAGLE head with a static tree)."""
+    """B sequences decoded together by a target (and an optional EAGLE head with a static or dynamic tree)."""
 
     def __init__(self, model: Transformer, max_seq_len: int, batch_size: int, head: Optional[EagleHead] = None,
-                 tree: Optional[Tree] = None, compile: bool = False):
+                 tree: Optional["Tree | DynamicTree"] = None, compile: bool = False):
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("batched EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, batch_size
