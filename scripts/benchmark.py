@@ -583,8 +583,8 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def default_out(info: dict, quick: bool) -> Path:
-    stem = f"{date.today().isoformat()}-{machine_slug(info)}"
+def default_out(info: dict, quick: bool, suffix: str = "") -> Path:
+    stem = f"{date.today().isoformat()}-{machine_slug(info)}{suffix}"
     folder = REPO_ROOT / "results" / ("quick" if quick else "")
     out, i = folder / stem, 2
     while out.exists():

@@ -17,7 +17,9 @@ Protocol:
 - per batch size: the median over groups of tokens/s, EAGLE's speedup over vanilla at the same batch size
   (paired by group), and EAGLE's throughput over the fastest vanilla configuration of the run; tau = tokens a
   cycle commits per row (accepted drafts + 1); greedy outputs are compared with vanilla batch 1's
-  (`outputs_match`: bf16 / int4 kernels may round a batch differently, so a near-tie can flip);
+  (`outputs_match`: bf16 / int4 kernels may round a batch differently, so a near-tie can flip); where a text
+  leaves it, `divergence` records the gap between the target's two best logits there (one forward over the
+  prefix) and whether the two texts' tokens are those two;
 - memory: the tensors each method holds at batch B (weights, KV caches of B rows of the shared cache length,
   the head and its cache; no features are kept), and the paper's memory-budget comparison: within
   --memory_budget_mb (default: vanilla's memory at the largest batch size), the largest batch size each method
@@ -35,6 +37,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -45,6 +48,7 @@ import generate  # noqa: E402
 import quantize  # noqa: E402
 from batched import BatchedSession  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
+from model import causal_mask  # noqa: E402
 from scripts.benchmark import (DTYPES, build_quick_checkpoint, default_out, git_state, head_record, json_safe,  # noqa: E402
                                load_dataset, load_target, machine_info, render, repo_relative, select_questions,
                                tensor_mb)
@@ -115,6 +119,30 @@ def run_group(session: BatchedSession, prompts: list, args, sampling, stop_ids) 
             "tau": committed / cycles if cycles else None}
 
 
+@torch.no_grad()
+def divergence(model, prompt: list, reference: list, out: list) -> Optional[dict]:
+    """Where out leaves reference (None: it does not): at the first differing token d, the gap between the
+    target's two best logits after prompt + reference[:d] (one forward over the prefix, in the model's own
+    precision) and whether the two texts' tokens are those two: a near-tie that rounding can flip."""
+    d = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), None)
+    if d is None:
+        return None
+    ids = prompt + reference[:d]
+    pos = torch.arange(len(ids))
+    with model.cache_row(0):
+        logits, _ = model(torch.tensor([ids]), pos, mask=causal_mask(pos, len(ids)), logits_at=slice(-1, None))
+    top = logits[0, -1].float().topk(2)
+    return {"at": d, "top2_gap": float(top.values[0] - top.values[1]),
+            "top2_are_the_two": set(top.indices.tolist()) == {reference[d], out[d]}}
+
+
+def divergence_summary(found: list) -> dict:
+    found = [f for f in found if f is not None]
+    return {"diverged": len(found), "max_top2_gap": max((f["top2_gap"] for f in found), default=None),
+            "median_top2_gap": median([f["top2_gap"] for f in found]),
+            "top2_are_the_two": sum(f["top2_are_the_two"] for f in found)}
+
+
 def median(values: list):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -127,15 +155,16 @@ def markdown(result: dict) -> str:
              f"{meta['prompts']} prompts ({meta['dataset']}), {meta['max_new_tokens']} new tokens at most, "
              f"T={meta['temperature']:g}, {meta['precision']} {meta['mode']}; medians over {meta['groups']} prompt groups; "
              f"the fastest vanilla configuration: batch {result['summary']['fastest_vanilla_batch_size']}.", "",
-             "| batch | vanilla tok/s | EAGLE tok/s | speedup (same batch) | EAGLE / fastest vanilla | tau | tree (predicted tau, speedup) | memory vanilla / EAGLE MB | outputs = vanilla bs 1 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | vanilla tok/s | EAGLE tok/s | speedup (same batch) | EAGLE / fastest vanilla | tau | tree (predicted tau, speedup) | memory vanilla / EAGLE MB | outputs = vanilla bs 1 | divergences: largest top-2 logit gap |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred = r["predicted"]
         tree = f"{r['tree']}" + (f" ({pred['tau']:.2f}, {pred['speedup']:.2f}x)" if pred else "")
         lines.append(f"| {r['batch_size']} | {r['vanilla_tokens_per_s']:.1f} | {r['eagle_tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['eagle_over_fastest_vanilla']:.2f}x | {r['tau']:.2f} | {tree} | "
                      f"{r['memory']['vanilla']['total_mb']:.0f} / {r['memory']['eagle']['total_mb']:.0f} | "
-                     f"vanilla {r['outputs_match']['vanilla']}, EAGLE {r['outputs_match']['eagle']} of {meta['prompts']} |")
+                     f"vanilla {r['outputs_match']['vanilla']}, EAGLE {r['outputs_match']['eagle']} of {meta['prompts']} | "
+                     f"{gaps(r['divergence'])} |")
     b = result["summary"]["memory_budget"]
     lines += ["", f"## Within a memory budget of {b['budget_mb']:.0f} MB", "",
               "| method | largest batch that fits | largest measured batch that fits | its tokens/s |", "|---|---|---|---|"]
@@ -148,10 +177,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gaps(divergence: Optional[dict]) -> str:
+    if not divergence:
+        return "-"
+    parts = [f"{name} {d['max_top2_gap']:.3f} ({d['top2_are_the_two']} of {d['diverged']} between the top two)"
+             for name, d in divergence.items() if d["diverged"]]
+    return ", ".join(parts) or "none"
+
+
 def run(args, argv) -> dict:
     started = time.perf_counter()
     info = machine_info("cpu")
-    out = args.out or default_out(info, args.quick).with_name(default_out(info, args.quick).name + "-batch")
+    out = args.out or default_out(info, args.quick, suffix="-batch")
     checkpoint = args.checkpoint
     if checkpoint is None:
         from tokenizer import ensure_default_model
@@ -211,6 +248,10 @@ def run(args, argv) -> dict:
             runs.append({"group": g, "batch_size": key[0], "method": key[1], "order": position,
                          "tree": trees[key[0]] if key[1] == "eagle" else None, **r})
     reference = {r["group"]: r["outs"] for r in runs if (r["batch_size"], r["method"]) == (args.batch_sizes[0], "vanilla")}
+    if sampling.greedy:  # where each text leaves vanilla's at the smallest batch size, and how close a tie it was
+        for r in tqdm(runs, desc="divergences", file=sys.stderr):
+            r["divergences"] = [divergence(model, p, ref, o) for p, ref, o in
+                                zip(groups[r["group"]], reference[r["group"]], r["outs"])]
 
     def of(b, name):
         return [r for r in runs if (r["batch_size"], r["method"]) == (b, name)]
@@ -229,6 +270,8 @@ def run(args, argv) -> dict:
             "eagle_over_fastest_vanilla": median([e["tokens_per_s"] for e in eagle]) / vanilla_tps[fastest],
             "tau": median([r["tau"] for r in eagle]),
             "memory": {name: mem[b, name] for name in names}, "outputs_match": match,
+            "divergence": {name: divergence_summary([f for r in of(b, name) for f in r.get("divergences", [])])
+                           for name in names} if sampling.greedy else None,
             "tokens": {name: sum(r["new_tokens"] for r in of(b, name)) for name in names}})
     largest = args.batch_sizes[-1]
     budget = args.memory_budget_mb or mem[largest, "vanilla"]["total_mb"]

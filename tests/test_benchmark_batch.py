@@ -37,6 +37,7 @@ def test_quick_runs_every_batch_size_and_method(quick):
         assert r["vanilla_tokens_per_s"] > 0 and r["eagle_tokens_per_s"] > 0
         # fp32 greedy: every prompt's text at every batch size is vanilla batch 1's
         assert r["outputs_match"] == {"vanilla": 4, "eagle": 4}
+        assert r["divergence"]["vanilla"]["diverged"] == r["divergence"]["eagle"]["diverged"] == 0
         assert r["tokens"]["vanilla"] == r["tokens"]["eagle"] == rows[0]["tokens"]["vanilla"]
     # memory grows by one row's KV caches per batch row; EAGLE holds the head (and its cache) besides
     m1, m3 = rows[0]["memory"], rows[2]["memory"]
@@ -61,6 +62,28 @@ def test_summary_is_made_of_the_runs(quick):
     assert budget["budget_mb"] == summary["by_batch_size"][-1]["memory"]["vanilla"]["total_mb"]
     assert budget["vanilla"]["measured_batch_size"] == 3 and budget["vanilla"]["largest_fit"] == 3
     assert budget["eagle"]["largest_fit"] < 3  # the head and its cache take room
+
+
+def test_divergence_finds_the_first_differing_token_and_its_tie():
+    """divergence: None for equal texts; else the first differing index and the target's top-2 logit gap there,
+    which (a forward of its own) is the gap of the logits a Session decodes from."""
+    import torch
+
+    from test_eagle import tiny_target
+
+    model = tiny_target()
+    model.setup_caches(1, 64)
+    prompt = [1, 2, 3]
+    pos = torch.arange(5)
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([prompt + [4, 5]]), pos, mask=benchmark_batch.causal_mask(pos, 5))
+    top = logits[0, -1].topk(2)
+    assert benchmark_batch.divergence(model, prompt, [4, 5, 6], [4, 5, 6]) is None
+    found = benchmark_batch.divergence(model, prompt, [4, 5] + [top.indices[0].item()], [4, 5, top.indices[1].item()])
+    assert found["at"] == 2 and found["top2_are_the_two"]
+    assert found["top2_gap"] == pytest.approx(float(top.values[0] - top.values[1]), abs=1e-5)
+    summary = benchmark_batch.divergence_summary([None, found])
+    assert summary["diverged"] == 1 and summary["top2_are_the_two"] == 1
 
 
 def test_largest_fit_is_fixed_memory_plus_rows():
