@@ -846,6 +846,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", nargs="+", default=["Hello, my name is"],
                    help="prompt text; several prompts run one after another, or together with --batch_size")
+    p.add_argument("--prompt_file", type=Path, help="prompts from this text file instead, one per line (blank lines "
+                   "skipped; a literal \\n stands for a line break within a prompt)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
     p.add_argument("--raw", action="store_true", help="plain continuation of --prompt, without the chat template")
     p.add_argument("--chat_template", action="store_true",
@@ -897,6 +899,13 @@ def parse_args(argv=None):
         raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
     if args.raw and (args.chat_template or args.chat):
         raise UsageError("--raw (plain continuation) cannot go with --chat_template or --chat; drop one")
+    if args.prompt_file:
+        if not args.prompt_file.is_file():
+            raise UsageError(f"--prompt_file {args.prompt_file} not found; give a text file, one prompt per line")
+        lines = args.prompt_file.read_text(encoding="utf-8").splitlines()
+        args.prompt = [line.replace("\\n", "\n") for line in lines if line.strip()]
+        if not args.prompt:
+            raise UsageError(f"--prompt_file {args.prompt_file} holds no prompt; write one per line")
     if not args.chat and not all(text.strip() for text in args.prompt):
         raise UsageError("a prompt is empty; give some text with --prompt")
     return args

@@ -854,6 +854,8 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "raw and chat template": ["--raw", "--chat_template"],
     "quantize a quantized file": ["--checkpoint", "{files}/model_int4.g32.pth", "--quantize", "int4"],
     "batch size 0": ["--batch_size", "0"],
+    "missing prompt file": ["--prompt_file", "{files}/no-prompts.txt"],
+    "empty prompt file": ["--prompt_file", "{files}/model_int4.g32.pth"],
     "batch with a compiled prefill": ["--batch_size", "2", "--compile_prefill"],
 }
 
@@ -881,9 +883,9 @@ def test_cli_eagle_prints_what_vanilla_prints(head, cli_files, monkeypatch, caps
     assert "tau" in err
 
 
-def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, capsys):
+def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, tmp_path, monkeypatch, capsys):
     """Two prompts with --batch_size 2 (greedy EAGLE, a random head, chain-3) give each prompt the text the
-    prompts run one at a time give it, and a tau per sequence."""
+    prompts run one at a time give it, and a tau per sequence; the same prompts from a --prompt_file, the same."""
     argv = ["--prompt", "The owl", "Name a fruit.", "--max_new_tokens", "8", "--eagle", "--eagle_head",
             cli_files / "head", "--tree", "chain-3"]
     code, one_at_a_time, err = run_cli_in_process(argv, monkeypatch, capsys)
@@ -893,6 +895,11 @@ def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, monkeypatch, caps
     texts = [line.split("] ", 1)[1] for line in together.split("[prompt ")[1:]]
     assert len(texts) == 2 and one_at_a_time.replace("\n", "") == "".join(t.replace("\n", "") for t in texts)
     assert "batch of 2, 2 sequences" in err and "tau per sequence" in err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The owl\n\nName a fruit.\n")
+    code, from_file, err = run_cli_in_process(argv[3:] + ["--prompt_file", prompts, "--batch_size", "2"], monkeypatch,
+                                              capsys)
+    assert code == 0 and from_file == together, err
 
 
 def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files, tmp_path, monkeypatch, capsys):
