@@ -50,8 +50,8 @@ from batched import BatchedSession  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import causal_mask  # noqa: E402
 from scripts.benchmark import (DTYPES, build_quick_checkpoint, default_out, git_state, head_record, json_safe,  # noqa: E402
-                               load_dataset, load_target, machine_info, render, repo_relative, select_questions,
-                               tensor_mb)
+                               load_dataset, load_target, machine_info, read_questions, render, repo_relative,
+                               select_questions, tensor_mb)
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 
@@ -197,7 +197,6 @@ def run(args, argv) -> dict:
         checkpoint = checkpoint / "model.pth"
     head_dir = args.head or generate.DEFAULT_HEAD
     tokenizer = Tokenizer.load(checkpoint.parent)
-    from scripts.benchmark import read_questions
     items = read_questions(args.questions, args.questions.stem) if args.questions else load_dataset("mtbench")
     items = select_questions(items, args.limit, None)
     if not items:
