@@ -260,14 +260,13 @@ class BatchedSession:
                      else self._draft(rows, bases, root, sampling))  # 1.
             out, features = self._verify(draft, bases, sampling)  # 2.
             forwards += 1
-            paths, new = [], []
-            for b, r in enumerate(rows):  # 3. each row its own path and bonus token
+            paths, new, node_tokens = [], [], draft.tokens.tolist()
+            for b, (r, tokens) in enumerate(zip(rows, node_tokens)):  # 3. each row its own path and bonus token
                 if r.done:
                     paths.append([0])
-                    new.append([draft.tokens[b, 0].item()])
+                    new.append([tokens[0]])
                     continue
-                path, bonus = self._accept(draft, b, out[b], sampling)
-                tokens = draft.tokens[b].tolist()
+                path, bonus = self._accept(draft, b, tokens, out[b], sampling)
                 paths.append(path)
                 new.append([tokens[i] for i in path[1:]] + [bonus])
                 r.accept_lengths.append(len(path) - 1)
@@ -370,11 +369,12 @@ class BatchedSession:
         return self.verify(self.model, draft.tokens, input_pos, bases[:, None] + draft.depths,
                            self.live(row_masks(bases, draft.tree_mask)), sampling.greedy)
 
-    def _accept(self, draft: RowsDraft, b: int, out: Tensor, sampling: Sampling):
-        """Step 3 for row b: its accepted path (node indices, root first) and bonus token."""
+    def _accept(self, draft: RowsDraft, b: int, tokens: list, out: Tensor, sampling: Sampling):
+        """Step 3 for row b (its node tokens as a list): its accepted path (node indices, root first) and bonus
+        token."""
         if sampling.greedy:
-            return accept_greedy(draft.tokens[b].tolist(), out.tolist(), draft.parents[b])
-        return accept_sampling(draft.tokens[b].tolist(), out, draft.children[b], sampling,
+            return accept_greedy(tokens, out.tolist(), draft.parents[b])
+        return accept_sampling(tokens, out, draft.children[b], sampling,
                                None if draft.draft_probs is None else draft.draft_probs[b], draft.lookup_from)
 
     def _commit(self, rows: list, bases: Tensor, paths: list, new: list, features: Tensor):
