@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,9 +182,16 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options)
     compiled = torch.compile(f, **options)
     if not inductor_config:
         return compiled
+    # quiet: the autotuner prints every timing table to stderr (PRINT_AUTOTUNE, a module flag, and the choices'
+    # stats) and reads a tensor's storage(), whose deprecation warning is torch's own, not the user's
+    import torch._inductor.select_algorithm as select_algorithm
+
+    select_algorithm.PRINT_AUTOTUNE = False
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    settings = {**inductor_config, "max_autotune_report_choices_stats": False}
 
     def run(*args, **kwargs):
-        with torch._inductor.config.patch(inductor_config):
+        with torch._inductor.config.patch(settings):
             return compiled(*args, **kwargs)
     return run
 
@@ -565,8 +573,9 @@ def load(args):
     if args.eagle and head_dir is None:
         raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
     if args.precision:
-        precision = fastest_precision(ModelArgs.from_checkpoint_dir(checkpoint.parent), head_dir, args.temperature == 0) \
-            if args.precision == "auto" else args.precision
+        autotune = args.autotune if args.compile or args.compile_prefill else None
+        precision = fastest_precision(ModelArgs.from_checkpoint_dir(checkpoint.parent), head_dir, args.temperature == 0,
+                                      autotune) if args.precision == "auto" else args.precision
         if precision in ("int8", "int4"):
             args.quantize = precision
         else:  # fp32 / bf16: the dtype of that name
@@ -582,6 +591,9 @@ def load(args):
     else:
         model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     tokenizer, head = Tokenizer.load(checkpoint.parent), None
+    compiled = getattr(args, "compile", False) or getattr(args, "compile_prefill", False)
+    args.inductor_config = autotune_options(args.autotune, model, args.device).get("inductor_config") \
+        if compiled and args.batch_size == 1 else None  # batched.py compiles its own steps
     if args.eagle:
         head = load_head(head_dir, device=args.device, dtype=model.tok_embeddings.weight.dtype)
         head.check_fits(model.config, model.config.vocab_size)
@@ -590,7 +602,7 @@ def load(args):
         if auto:
             mode = "dynamic" if args.compile or args.compile_prefill else "eager"
             best = auto_tree_choice(Path(head_dir), model, args.device, args.temperature == 0, (head, mode),
-                                    getattr(args, "batch_size", 1))
+                                    getattr(args, "batch_size", 1), frozen=args.inductor_config is not None)
             if best is not None and best.speedup < 1:  # e.g. a large batch, whose matmuls no longer spare rows
                 print("tree auto: plain decoding runs instead, the faster here (--tree TREE runs EAGLE anyway)",
                       file=sys.stderr)
@@ -690,12 +702,13 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
 
 
 def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None,
-                 batch_size: int = 1):
+                 batch_size: int = 1, frozen: bool = False):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
-    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs. Returns (CycleCosts,
-    acceptance dict, the profile's path), or (None, why not: one line, None)."""
+    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs; frozen: the costs
+    of frozen, autotuned steps (--autotune; tree.frozen_ratio). Returns (CycleCosts, acceptance dict, the
+    profile's path), or (None, why not: one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
     path, profile, other = cost_profile(model.config)
     costs = profile if device == "cpu" and profile else {"precisions": {}}
@@ -709,13 +722,15 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
             why = f"no cost profile of this machine for {precision} at {threads} threads{batch}: {profile_hint(other)}"
             return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
-    return CycleCosts.from_profile(costs, precision, batch_size), json.loads(acceptance.read_text()), path
+    return CycleCosts.from_profile(costs, precision, batch_size, frozen), json.loads(acceptance.read_text()), path
 
 
-def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True) -> str:
+def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True,
+                      autotune: Optional[str] = None) -> str:
     """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
     vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
-    there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for)."""
+    there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for). autotune: the
+    --autotune choice of a compiled run (None: not compiled); a precision it freezes is costed frozen."""
     _, profile, other = cost_profile(config)
     if profile is None:
         raise UsageError(f"--precision auto needs this machine's cost profile at {torch.get_num_threads()} "
@@ -724,26 +739,27 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
     speeds = {}
     for precision in profile["precisions"]:
-        costs = CycleCosts.from_profile(profile, precision)
+        frozen = autotune == "on" or autotune == "auto" and autotune_faster(profile, precision)
+        costs = CycleCosts.from_profile(profile, precision, frozen=frozen)
         joints = acceptance.get("lookup", {}).get("joints") if acceptance and greedy else None
         gain = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints).speedup \
             if acceptance else 1.0
-        speeds[precision] = 1000 / costs.decode_ms * gain
+        speeds[precision + " frozen" * frozen] = 1000 / costs.decode_ms * gain
     best = max(speeds, key=speeds.get)
     print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "
           + ", ".join(f"{p} {v:.0f}" for p, v in sorted(speeds.items(), key=lambda kv: -kv[1])) + ")", file=sys.stderr)
-    return best
+    return best.removesuffix(" frozen")
 
 
 def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
-                     calibrate_with: Optional[tuple] = None, batch_size: int = 1):
+                     calibrate_with: Optional[tuple] = None, batch_size: int = 1, frozen: bool = False):
     """--tree auto: the static tree (and context branch), a tree.AutoTree with its predicted tau and speedup,
     that tree.auto_tree predicts fastest from cycle_models, said on stderr; None with a one-line hint when either
     model is missing. The context branch only when greedy: its match counts are greedy ones, and sampled text
     repeats itself less (on the 80 MT-bench first turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran
     at 1.04x). batch_size > 1: the tree for batched cycles of that many rows (the paper: a larger batch wants a
-    smaller tree)."""
-    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size)
+    smaller tree). frozen: for steps compiled frozen and autotuned (--autotune), whose verify rows cost otherwise."""
+    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, frozen)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return None
@@ -752,7 +768,8 @@ def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bo
     batch = f", batch {batch_size}" if batch_size > 1 else ""
     slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}, {torch.get_num_threads()} threads{batch}{slower}; {profile_source(path)})",
+          f"{precision_of(model)}{' frozen' if frozen else ''}, {torch.get_num_threads()} threads{batch}{slower}; "
+          f"{profile_source(path)})",
           file=sys.stderr)
     return best
 
@@ -763,13 +780,17 @@ def auto_tree_for(*args, **kwargs) -> str:
     return "chain-1" if best is None else best.spec
 
 
+def autotune_faster(profile: Optional[dict], precision: str) -> bool:
+    """Whether the profile's fixed-shape verifies (profile_costs.py --autotune) ran faster frozen and autotuned."""
+    return bool(profile and profile.get("autotune", {}).get(precision, {}).get("faster"))
+
+
 def autotune_options(choice: str, model: Transformer, device: str) -> dict:
     """torch.compile options for --autotune on / off / auto: auto takes AUTOTUNE_OPTIONS where this
     machine's cost profile (scripts/profile_costs.py --autotune) measured them faster at this precision."""
     if choice == "auto":
         path, profile, _ = cost_profile(model.config)
-        measured = profile.get("autotune", {}) if device == "cpu" and profile else {}
-        choice = "on" if measured.get(precision_of(model), {}).get("faster") else "off"
+        choice = "on" if device == "cpu" and autotune_faster(profile, precision_of(model)) else "off"
         if choice == "on":
             print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {path.name})",
                   file=sys.stderr)
@@ -927,8 +948,7 @@ def main(argv=None):
     # with the governor, inductor's own kernels stay compiled for every core and ATen's (the matmuls) follow the
     # thread count: idle and with one core taken that measured as fast as inductor's cpp.dynamic_threads or
     # faster (results/2026-12-01-threads-under-load-avx512-bf16)
-    steps = Steps.compiled(args.device, args.compile_prefill, **autotune_options(args.autotune, model, args.device)) \
-        if compiled else EAGER
+    steps = Steps.compiled(args.device, args.compile_prefill, args.inductor_config) if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:

@@ -15,6 +15,7 @@ after the head's nodes, whose tokens are copied from the text so far (ContextLoo
 decoding). They cost no head forward, only verify rows; verification treats them as one-hot proposals.
 """
 import ast
+import math
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,6 +375,20 @@ def along(xs: list, x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
+def frozen_ratio(profile: dict, precision: str, rows: int) -> float:
+    """Frozen, autotuned verify time over the default one at `rows` rows, from the fixed-shape verifies
+    profile_costs.py --autotune timed both ways (profile["autotune"]; 1, 4 and 16 rows): piecewise linear in
+    log(rows) between them, flat outside; 1.0 where the profile has no such measurement."""
+    at = profile.get("autotune", {}).get(precision)
+    if not at:
+        return 1.0
+    points = sorted((math.log(n), t / d) for n, d, t in zip(at["rows"], at["default_ms"], at["autotuned_ms"]))
+    x = math.log(rows)
+    if x >= points[-1][0]:
+        return points[-1][1]
+    return along(points, x)
+
+
 @dataclass
 class CycleCosts:
     """Milliseconds of the pieces of one cycle, as {rows: ms} measured points (scripts/profile_costs.py):
@@ -393,12 +408,16 @@ class CycleCosts:
                        for name in ("verify", "draft", "update", "move")}
 
     @classmethod
-    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1) -> "CycleCosts":
+    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, frozen: bool = False) -> "CycleCosts":
         """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON; batch_size > 1: its
         batched cycle's pieces (profile["batches"]), the host work taken as that of one row times the rows
-        (each row's accept and commit are its own Python work)."""
+        (each row's accept and commit are its own Python work). frozen: the target's steps compiled frozen and
+        autotuned (generate.py --autotune): the verify curve scaled by frozen_ratio."""
         c = profile["precisions"][precision] if batch_size == 1 else profile["batches"][str(batch_size)][precision]
-        return cls(c["verify_ms"], c["draft_ms"], c["update_ms"], c["move_ms"],
+        verify = c["verify_ms"]
+        if frozen and batch_size == 1:
+            verify = {n: ms * frozen_ratio(profile, precision, int(n)) for n, ms in verify.items()}
+        return cls(verify, c["draft_ms"], c["update_ms"], c["move_ms"],
                    profile.get("overhead_ms", 0.0) * batch_size, profile.get("decode_overhead_ms", 0.0) * batch_size)
 
     @staticmethod

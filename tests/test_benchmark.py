@@ -185,13 +185,15 @@ def test_n_alpha_and_acceptance_helpers():
 
 
 def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkeypatch):
-    """A stand-in for torch.compile: compiled methods must call the compiled steps, eager ones never, and
-    generate's eager steps are its module functions throughout. Also --questions with categories."""
-    calls = []
+    """A stand-in for torch.compile: compiled (and frozen) methods must call the compiled steps, eager ones never,
+    frozen ones under inductor's AUTOTUNE_OPTIONS, and generate's eager steps are its module functions throughout.
+    Also --questions with categories."""
+    calls, frozen_calls = [], []
 
     def fake_compile(fn, **options):
         def compiled(*args, **kwargs):
             calls.append(fn.__name__)
+            frozen_calls.append(torch._inductor.config.freezing)
             return fn(*args, **kwargs)
         return compiled
 
@@ -201,7 +203,7 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
     def run(self, *args, **kwargs):
         before = len(calls)
         result = original_run(self, *args, **kwargs)
-        ran.append((self.method.name, len(calls) - before))
+        ran.append((self.method.name, len(calls) - before, set(frozen_calls[before:])))
         return result
 
     monkeypatch.setattr(torch, "compile", fake_compile)
@@ -212,7 +214,7 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
         {"question_id": 2, "category": "poetry", "turns": ["A haiku about owls."]}]))
     threads = torch.get_num_threads()
     try:
-        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "compiled",
+        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "compiled", "frozen",
                                  "--dtypes", "fp32", "--trees", "chain-3", "--temperatures", "0",
                                  "--max_new_tokens", "6", "--threads", "1", "--out", str(tmp_path / "c")])
     finally:
@@ -221,13 +223,16 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
     assert (eager.decode, eager.verify, eager.draft, eager.head_update, eager.prefill, eager.head_prefill) == (
         generate.decode_one_token, generate.verify, generate.draft_step, generate.head_extend, generate.prefill,
         generate.head_extend)
-    assert {name for name, _ in ran} == {"vanilla-fp32-eager", "vanilla-fp32-compiled",
-                                         "eagle-chain-3-fp32-eager", "eagle-chain-3-fp32-compiled"}
-    for name, n_calls in ran:
-        assert (n_calls > 0) == name.endswith("compiled"), (name, n_calls)
+    assert {name for name, *_ in ran} == {f"{kind}-fp32-{mode}" for kind in ("vanilla", "eagle-chain-3")
+                                          for mode in ("eager", "compiled", "frozen")}
+    for name, n_calls, freezing in ran:
+        assert (n_calls > 0) == (not name.endswith("eager")), (name, n_calls)
+        assert freezing == ({True} if name.endswith("frozen") else {False} if n_calls else set()), (name, freezing)
     group = result["summary"][0]
     assert group["dataset"] == "q" and set(group["categories"]) == {"math", "poetry"}
-    assert len(result["runs"]) == 4 * 3  # 4 methods x (2 + 1 turns)
+    assert len(result["runs"]) == 6 * 3  # 6 methods x (2 + 1 turns)
+    assert {r["match_reference"] for r in result["runs"] if r["method"] == "eagle-chain-3-fp32-frozen"} == {
+        "vanilla-fp32-frozen"}
     assert all(s["outputs_match_vanilla"]["matched"] == 3
                for name, s in group["methods"].items() if name != "vanilla-fp32-eager")
 

@@ -170,6 +170,28 @@ def test_batched_costs_choose_for_the_batch_size():
     assert len(best8.paths) < len(best1.paths) and best1.speedup > best8.speedup
 
 
+def test_frozen_costs_scale_the_verify_by_the_measured_ratio():
+    """--autotune's frozen steps: from_profile(..., frozen=True) scales the verify curve by profile_costs.py
+    --autotune's autotuned / default ratio at 1, 4 and 16 rows, linear in log(rows) between them and flat
+    outside; a precision with no such measurement keeps its curve. A frozen one-row step gains more than
+    its rows do here, so the tree chosen frozen is smaller."""
+    flat = {"draft_ms": {"1": 0.2, "16": 0.3}, "update_ms": {"2": 0.5, "9": 0.6}, "move_ms": {"2": 0.1, "9": 0.1}}
+    profile = {"precisions": {"bf16": {"verify_ms": {"1": 40.0, "2": 60.0, "4": 80.0, "16": 160.0, "32": 320.0}, **flat},
+                              "int4": {"verify_ms": {"1": 10.0, "16": 60.0}, **flat}},
+               "autotune": {"bf16": {"rows": [1, 4, 16], "default_ms": [40.0, 80.0, 160.0],
+                                     "autotuned_ms": [10.0, 40.0, 160.0], "ratio": 0.5, "faster": True}}}
+    assert tree.frozen_ratio(profile, "bf16", 1) == pytest.approx(0.25)
+    assert tree.frozen_ratio(profile, "bf16", 2) == pytest.approx(0.375)  # halfway from 1 to 4 rows in log(rows)
+    assert tree.frozen_ratio(profile, "bf16", 8) == pytest.approx(0.75) and tree.frozen_ratio(profile, "bf16", 32) == 1.0
+    assert tree.frozen_ratio(profile, "int4", 4) == 1.0
+    default, frozen = (CycleCosts.from_profile(profile, "bf16", frozen=f) for f in (False, True))
+    assert frozen.decode_ms == pytest.approx(10.0) and default.decode_ms == pytest.approx(40.0)
+    assert frozen.verify["2"] == pytest.approx(22.5) and frozen.draft == default.draft
+    assert CycleCosts.from_profile(profile, "int4", frozen=True).verify == profile["precisions"]["int4"]["verify_ms"]
+    p = [[0.8, 0.1]] * 6  # frozen, a step's extra rows cost relatively more (2 rows: 2.25 steps, not 1.5)
+    assert len(auto_tree(p, frozen).paths) < len(auto_tree(p, default).paths)
+
+
 def test_shipped_acceptance_model_is_well_formed():
     """The shipped head's acceptance.json (scripts/train_eagle.py eval) gives probabilities per depth that
     sum to at most 1, from enough nodes, and a tree build_tree accepts."""

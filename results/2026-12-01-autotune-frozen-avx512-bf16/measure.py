@@ -4,6 +4,7 @@ torch._inductor.config. Also the compile (warm-up) time of each graph. --pause_p
 (the data engine) stopped with SIGSTOP while timing, so that the timings run alone.
 
     python results/2026-12-01-autotune-frozen-avx512-bf16/measure.py --precisions bf16 int4 --rows 1 4 16
+    python results/2026-12-01-autotune-frozen-avx512-bf16/measure.py --threads 2 --out DIR/autotune.json
 """
 import argparse
 import json
@@ -26,9 +27,10 @@ p.add_argument("--precisions", nargs="+", default=["bf16", "int4"])
 p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
 p.add_argument("--reps", type=int, default=15)
 p.add_argument("--pause_pid", type=int)
+p.add_argument("--threads", type=int, default=1)
 p.add_argument("--out", type=Path, default=Path(__file__).with_name("autotune.json"))
 args = p.parse_args()
-torch.set_num_threads(1)
+torch.set_num_threads(args.threads)
 torch.set_grad_enabled(False)
 jobs, warm = {}, {}
 for precision in args.precisions:
@@ -49,7 +51,7 @@ try:
 finally:
     if args.pause_pid:
         os.kill(args.pause_pid, signal.SIGCONT)
-result = {"isa": instruction_set(), "torch": torch.__version__, "threads": 1, "reps": args.reps,
+result = {"isa": instruction_set(), "torch": torch.__version__, "threads": args.threads, "reps": args.reps,
           "settings": AUTOTUNE_OPTIONS, "precisions": {}}
 for precision in args.precisions:
     d = [cpu[precision, "default", n] for n in args.rows]
