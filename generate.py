@@ -197,12 +197,16 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options)
 
 
 EAGER = Steps()
-# inductor's own CPU GEMM micro-kernels (AVX-512, AMX) where they beat the ATen / oneDNN calls, picked by
-# timing both per matrix shape at compile time; freezing folds the weights into the graphs (and bypasses
-# inductor's on-disk cache). Up to 2x faster on a Xeon with AMX (issue 20's table), a tie on the AVX-512 BF16
-# CPU without AMX (results/2026-12-01-autotune-avx512-bf16): scripts/profile_costs.py --autotune measures
-# it on the machine at hand, --autotune auto follows the measurement.
+# Freezing folds the weights into the graphs as constants, so inductor can prepack them for oneDNN and fold
+# what depends on them only; max-autotune adds its own CPU GEMM micro-kernels (AVX-512, AMX) where they beat
+# the ATen / oneDNN calls, picked by timing both per matrix shape at compile time. Which pays depends on the CPU
+# and precision (AVX-512 BF16, one thread: bf16 26.0 -> 17.1 ms frozen, 27.6 autotuned; int4 10.7 -> 10.1
+# frozen, 8.9 autotuned; up to 2x on a Xeon with AMX): scripts/profile_costs.py --autotune measures the three on
+# the machine at hand, --autotune auto follows the measurement. Graphs holding oneDNN-packed weights (bf16,
+# fp32) are rebuilt at every start (inductor's cache cannot keep them); int4's and int8's are kept.
+FREEZE_OPTIONS = {"freezing": True}
 AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+COMPILE_KINDS = {"default": None, "frozen": FREEZE_OPTIONS, "autotuned": AUTOTUNE_OPTIONS}  # --autotune off/freeze/on
 
 
 @dataclass
@@ -573,7 +577,7 @@ def load(args):
     if args.eagle and head_dir is None:
         raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
     if args.precision:
-        autotune = args.autotune if args.compile or args.compile_prefill else None
+        autotune = args.autotune if args.compile or args.compile_prefill else "off"
         precision = fastest_precision(ModelArgs.from_checkpoint_dir(checkpoint.parent), head_dir, args.temperature == 0,
                                       autotune) if args.precision == "auto" else args.precision
         if precision in ("int8", "int4"):
@@ -591,9 +595,9 @@ def load(args):
     else:
         model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     tokenizer, head = Tokenizer.load(checkpoint.parent), None
-    compiled = getattr(args, "compile", False) or getattr(args, "compile_prefill", False)
-    args.inductor_config = autotune_options(args.autotune, model, args.device).get("inductor_config") \
-        if compiled and args.batch_size == 1 else None  # batched.py compiles its own steps
+    compiled = args.compile or args.compile_prefill  # batched.py compiles its own steps
+    args.compile_kind = compile_kind(args.autotune, model, args.device) if compiled and args.batch_size == 1 \
+        else "default"
     if args.eagle:
         head = load_head(head_dir, device=args.device, dtype=model.tok_embeddings.weight.dtype)
         head.check_fits(model.config, model.config.vocab_size)
@@ -602,7 +606,7 @@ def load(args):
         if auto:
             mode = "dynamic" if args.compile or args.compile_prefill else "eager"
             best = auto_tree_choice(Path(head_dir), model, args.device, args.temperature == 0, (head, mode),
-                                    getattr(args, "batch_size", 1), frozen=args.inductor_config is not None)
+                                    args.batch_size, args.compile_kind)
             if best is not None and best.speedup < 1:  # e.g. a large batch, whose matmuls no longer spare rows
                 print("tree auto: plain decoding runs instead, the faster here (--tree TREE runs EAGLE anyway)",
                       file=sys.stderr)
@@ -702,12 +706,12 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
 
 
 def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None,
-                 batch_size: int = 1, frozen: bool = False):
+                 batch_size: int = 1, kind: str = "default"):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
-    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs; frozen: the costs
-    of frozen, autotuned steps (--autotune; tree.frozen_ratio). Returns (CycleCosts, acceptance dict, the
+    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs; kind: of steps
+    compiled so (COMPILE_KINDS, --autotune; tree.frozen_ratio). Returns (CycleCosts, acceptance dict, the
     profile's path), or (None, why not: one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
     path, profile, other = cost_profile(model.config)
@@ -722,15 +726,15 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
             why = f"no cost profile of this machine for {precision} at {threads} threads{batch}: {profile_hint(other)}"
             return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
-    return CycleCosts.from_profile(costs, precision, batch_size, frozen), json.loads(acceptance.read_text()), path
+    return CycleCosts.from_profile(costs, precision, batch_size, kind), json.loads(acceptance.read_text()), path
 
 
 def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True,
-                      autotune: Optional[str] = None) -> str:
+                      autotune: str = "off") -> str:
     """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
     vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
     there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for). autotune: the
-    --autotune choice of a compiled run (None: not compiled); a precision it freezes is costed frozen."""
+    --autotune choice of a compiled run ("off" when not compiled): each precision is costed as it would compile."""
     _, profile, other = cost_profile(config)
     if profile is None:
         raise UsageError(f"--precision auto needs this machine's cost profile at {torch.get_num_threads()} "
@@ -739,27 +743,27 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
     speeds = {}
     for precision in profile["precisions"]:
-        frozen = autotune == "on" or autotune == "auto" and autotune_faster(profile, precision)
-        costs = CycleCosts.from_profile(profile, precision, frozen=frozen)
+        kind = AUTOTUNE_CHOICES.get(autotune) or auto_compile_kind(profile, precision)
+        costs = CycleCosts.from_profile(profile, precision, kind=kind)
         joints = acceptance.get("lookup", {}).get("joints") if acceptance and greedy else None
         gain = auto_tree(acceptance["p"], costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints).speedup \
             if acceptance else 1.0
-        speeds[precision + " frozen" * frozen] = 1000 / costs.decode_ms * gain
+        speeds[precision + f" {kind}" * (kind != "default")] = 1000 / costs.decode_ms * gain
     best = max(speeds, key=speeds.get)
     print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "
           + ", ".join(f"{p} {v:.0f}" for p, v in sorted(speeds.items(), key=lambda kv: -kv[1])) + ")", file=sys.stderr)
-    return best.removesuffix(" frozen")
+    return best.split()[0]
 
 
 def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
-                     calibrate_with: Optional[tuple] = None, batch_size: int = 1, frozen: bool = False):
+                     calibrate_with: Optional[tuple] = None, batch_size: int = 1, kind: str = "default"):
     """--tree auto: the static tree (and context branch), a tree.AutoTree with its predicted tau and speedup,
     that tree.auto_tree predicts fastest from cycle_models, said on stderr; None with a one-line hint when either
     model is missing. The context branch only when greedy: its match counts are greedy ones, and sampled text
     repeats itself less (on the 80 MT-bench first turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran
     at 1.04x). batch_size > 1: the tree for batched cycles of that many rows (the paper: a larger batch wants a
-    smaller tree). frozen: for steps compiled frozen and autotuned (--autotune), whose verify rows cost otherwise."""
-    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, frozen)
+    smaller tree). kind: for steps compiled so (COMPILE_KINDS, --autotune), whose rows cost otherwise."""
+    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, kind)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return None
@@ -768,7 +772,7 @@ def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bo
     batch = f", batch {batch_size}" if batch_size > 1 else ""
     slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}{' frozen' if frozen else ''}, {torch.get_num_threads()} threads{batch}{slower}; "
+          f"{precision_of(model)}{f' {kind}' * (kind != 'default')}, {torch.get_num_threads()} threads{batch}{slower}; "
           f"{profile_source(path)})",
           file=sys.stderr)
     return best
@@ -780,21 +784,29 @@ def auto_tree_for(*args, **kwargs) -> str:
     return "chain-1" if best is None else best.spec
 
 
-def autotune_faster(profile: Optional[dict], precision: str) -> bool:
-    """Whether the profile's fixed-shape verifies (profile_costs.py --autotune) ran faster frozen and autotuned."""
-    return bool(profile and profile.get("autotune", {}).get(precision, {}).get("faster"))
+AUTOTUNE_CHOICES = {"off": "default", "freeze": "frozen", "on": "autotuned"}  # --autotune: COMPILE_KINDS' key
 
 
-def autotune_options(choice: str, model: Transformer, device: str) -> dict:
-    """torch.compile options for --autotune on / off / auto: auto takes AUTOTUNE_OPTIONS where this
-    machine's cost profile (scripts/profile_costs.py --autotune) measured them faster at this precision."""
-    if choice == "auto":
-        path, profile, _ = cost_profile(model.config)
-        choice = "on" if device == "cpu" and autotune_faster(profile, precision_of(model)) else "off"
-        if choice == "on":
-            print(f"compile: inductor max-autotune (measured faster here for {precision_of(model)}, {path.name})",
-                  file=sys.stderr)
-    return {"inductor_config": AUTOTUNE_OPTIONS} if choice == "on" else {}
+def auto_compile_kind(profile: Optional[dict], precision: str) -> str:
+    """--autotune auto: the COMPILE_KINDS kind that profile_costs.py --autotune measured fastest at this precision,
+    at least profile_costs.AUTOTUNE_MARGIN faster than the default, among those inductor's on-disk cache keeps (the others
+    rebuild every graph at each start: a minute or more); "default" without such a measurement. A profile of
+    before the three kinds holds {"faster": bool}, the autotuned kind's verdict."""
+    at = (profile or {}).get("autotune", {}).get(precision, {})
+    return at.get("auto", "autotuned" if at.get("faster") else "default")
+
+
+def compile_kind(choice: str, model: Transformer, device: str) -> str:
+    """The COMPILE_KINDS kind that --autotune auto / on / freeze / off takes for this model (auto: this
+    machine's cost profile, auto_compile_kind; said on stderr when it freezes)."""
+    if choice != "auto":
+        return AUTOTUNE_CHOICES[choice]
+    path, profile, _ = cost_profile(model.config)
+    kind = auto_compile_kind(profile, precision_of(model)) if device == "cpu" else "default"
+    if kind != "default":
+        what = "weights frozen" + (" and inductor max-autotune" if kind == "autotuned" else "")
+        print(f"compile: {what} (measured faster here for {precision_of(model)}, {path.name})", file=sys.stderr)
+    return kind
 
 
 def print_stats(stats: Stats, tree, label: str = ""):
@@ -834,8 +846,10 @@ def warm_up(session: Session, prompt: list, sampling: Sampling):
     session.generate(prompt, 8, sampling)
     session.reset()
     hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses else \
-        f"{misses} graphs built, {hits} from inductor's on-disk cache"
+    bypass = counters["inductor"]["fxgraph_cache_bypass"]  # e.g. frozen graphs holding oneDNN-packed weights
+    reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses + bypass else \
+        f"{misses + bypass} graphs built{f' ({bypass} the cache cannot keep)' if bypass else ''}, {hits} from " \
+        "inductor's on-disk cache"
     print(f"{time.perf_counter() - start:.0f} s ({reused})", file=sys.stderr)
 
 
@@ -894,8 +908,10 @@ def parse_args(argv=None):
                    "float checkpoint on first use into a file beside it (quantize.py's, int4 with --quantize_lm_head)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
-    p.add_argument("--autotune", choices=["auto", "on", "off"], default="auto", help="with --compile: inductor's "
-                   "max-autotune GEMM kernels (auto: where scripts/profile_costs.py --autotune measured them faster)")
+    p.add_argument("--autotune", choices=["auto", "on", "freeze", "off"], default="auto", help="with --compile: "
+                   "freeze the weights into the graphs (freeze) and add inductor's max-autotune GEMM kernels (on); "
+                   "auto: what scripts/profile_costs.py --autotune measured fastest here among what inductor's cache "
+                   "keeps between runs")
     p.add_argument("--eagle", action="store_true", help="EAGLE speculative decoding: in fp32 the same greedy text "
                    "as without it; in bf16 / int4 the texts may part where the two best tokens tie within bf16 "
                    "rounding (README)")
@@ -948,7 +964,7 @@ def main(argv=None):
     # with the governor, inductor's own kernels stay compiled for every core and ATen's (the matmuls) follow the
     # thread count: idle and with one core taken that measured as fast as inductor's cpp.dynamic_threads or
     # faster (results/2026-12-01-threads-under-load-avx512-bf16)
-    steps = Steps.compiled(args.device, args.compile_prefill, args.inductor_config) if compiled else EAGER
+    steps = Steps.compiled(args.device, args.compile_prefill, COMPILE_KINDS[args.compile_kind]) if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:

@@ -375,14 +375,15 @@ def along(xs: list, x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
-def frozen_ratio(profile: dict, precision: str, rows: int) -> float:
-    """Frozen, autotuned verify time over the default one at `rows` rows, from the fixed-shape verifies
-    profile_costs.py --autotune timed both ways (profile["autotune"]; 1, 4 and 16 rows): piecewise linear in
-    log(rows) between them, flat outside; 1.0 where the profile has no such measurement."""
-    at = profile.get("autotune", {}).get(precision)
-    if not at:
+def frozen_ratio(profile: dict, precision: str, rows: int, kind: str = "autotuned") -> float:
+    """A verify of `rows` rows compiled as `kind` ("frozen": weights frozen; "autotuned": frozen and inductor's
+    max-autotune; generate.COMPILE_KINDS) over the default compile, from the fixed-shape verifies that
+    profile_costs.py --autotune timed each way (profile["autotune"]; 1, 4 and 16 rows): piecewise linear in
+    log(rows) between them, flat outside; 1.0 for "default" or where the profile has no such measurement."""
+    at = profile.get("autotune", {}).get(precision, {})
+    if f"{kind}_ms" not in at or kind == "default":
         return 1.0
-    points = sorted((math.log(n), t / d) for n, d, t in zip(at["rows"], at["default_ms"], at["autotuned_ms"]))
+    points = sorted((math.log(n), t / d) for n, d, t in zip(at["rows"], at["default_ms"], at[f"{kind}_ms"]))
     x = math.log(rows)
     if x >= points[-1][0]:
         return points[-1][1]
@@ -408,15 +409,15 @@ class CycleCosts:
                        for name in ("verify", "draft", "update", "move")}
 
     @classmethod
-    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, frozen: bool = False) -> "CycleCosts":
+    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, kind: str = "default") -> "CycleCosts":
         """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON; batch_size > 1: its
         batched cycle's pieces (profile["batches"]), the host work taken as that of one row times the rows
-        (each row's accept and commit are its own Python work). frozen: the target's steps compiled frozen and
-        autotuned (generate.py --autotune): the verify curve scaled by frozen_ratio."""
+        (each row's accept and commit are its own Python work). kind: how the target's steps are compiled
+        (generate.py --autotune: "default", "frozen" or "autotuned"), the verify curve scaled by frozen_ratio."""
         c = profile["precisions"][precision] if batch_size == 1 else profile["batches"][str(batch_size)][precision]
         verify = c["verify_ms"]
-        if frozen and batch_size == 1:
-            verify = {n: ms * frozen_ratio(profile, precision, int(n)) for n, ms in verify.items()}
+        if kind != "default" and batch_size == 1:
+            verify = {n: ms * frozen_ratio(profile, precision, int(n), kind) for n, ms in verify.items()}
         return cls(verify, c["draft_ms"], c["update_ms"], c["move_ms"],
                    profile.get("overhead_ms", 0.0) * batch_size, profile.get("decode_overhead_ms", 0.0) * batch_size)
 

@@ -8,7 +8,7 @@
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
     python scripts/benchmark.py --batch_sizes 1 2 4 8             # batched throughput (scripts/benchmark_batch.py)
 
-Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled,frozen}`, `eagle-TREE-DTYPE-MODE`
+Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled,frozen,autotuned}`, `eagle-TREE-DTYPE-MODE`
 for each --trees entry, `eagle@NAME-TREE-DTYPE-MODE` for each --ablation_heads entry (with
 --ablation_tree), and with --peers transformers' `hf-DTYPE` (plain generate) and `hf-pld-DTYPE`
 (prompt-lookup decoding) and llama.cpp's `llamacpp-q4_1` and `llamacpp-pld-q4_1` on the packaged GGUF (when
@@ -91,7 +91,7 @@ class Method:
     kind: str  # vanilla | eagle | hf | hf-pld | llamacpp | llamacpp-pld
     dtype: str  # fp32 | bf16 | fp16 | int8 | int4 | int4f | q4_1 (llama.cpp on the GGUF itself)
     compiled: bool = False
-    frozen: bool = False  # compiled with the weights frozen and inductor's max-autotune (generate.py --autotune on)
+    compile_kind: str = "default"  # how it compiles (generate.COMPILE_KINDS): default, frozen (weights) or autotuned
     tree: Optional[str] = None  # tree spec (eagle)
     head: Optional[str] = None  # head directory (eagle)
     num_nodes: Optional[int] = None  # tree nodes verified per cycle, root included
@@ -116,9 +116,10 @@ def tree_entries(specs: list) -> list:
 
 
 def build_methods(args) -> list:
-    modes = [("eager", False, False), ("compiled", True, False), ("frozen", True, True)]
-    modes = [(label, c, f) for label, c, f in modes if label in args.modes]
-    methods = [Method(f"vanilla-{d}-{label}", "vanilla", d, c, f) for d in args.dtypes for label, c, f in modes]
+    modes = [("eager", False, "default"), ("compiled", True, "default"), ("frozen", True, "frozen"),
+             ("autotuned", True, "autotuned")]
+    modes = [(label, c, k) for label, c, k in modes if label in args.modes]
+    methods = [Method(f"vanilla-{d}-{label}", "vanilla", d, c, k) for d in args.dtypes for label, c, k in modes]
     heads = [("", str(args.head) if args.head else None, tree_entries(args.trees))]
     for entry in args.ablation_heads:
         name, _, head_dir = entry.partition("=")
@@ -128,8 +129,8 @@ def build_methods(args) -> list:
     for suffix, head_dir, trees in heads:
         for tree_name, spec in trees:
             for d in args.dtypes:
-                for label, c, f in modes:
-                    methods.append(Method(f"eagle{suffix}-{tree_name}-{d}-{label}", "eagle", d, c, f, spec, head_dir))
+                for label, c, k in modes:
+                    methods.append(Method(f"eagle{suffix}-{tree_name}-{d}-{label}", "eagle", d, c, k, spec, head_dir))
     if args.peers:
         floats = [d for d in args.dtypes if d not in QUANTIZED]  # transformers runs the float weights
         methods += [Method(f"hf-{d}", "hf", d) for d in floats]
@@ -148,6 +149,11 @@ def reference_method(methods: list) -> Method:
     return by_name.get("vanilla-fp32-eager") or next((m for m in methods if m.kind == "vanilla"), methods[0])
 
 
+def mode_name(m: Method) -> str:
+    """The MODE of a method's name: eager, compiled, frozen or autotuned."""
+    return "eager" if not m.compiled else "compiled" if m.compile_kind == "default" else m.compile_kind
+
+
 def vanilla_twin(method: Method, methods: list) -> Optional[str]:
     """The vanilla method whose greedy tokens `method` must reproduce: same dtype, same mode first.
     Compiled (and frozen) vanilla is checked against eager vanilla; eager vanilla is the reference itself."""
@@ -155,8 +161,8 @@ def vanilla_twin(method: Method, methods: list) -> Optional[str]:
     if method.kind == "vanilla":
         twin = f"vanilla-{method.dtype}-eager"
         return twin if method.compiled and twin in names else None
-    modes = ["frozen", "compiled", "eager"] if method.frozen else ["compiled", "frozen", "eager"] if method.compiled \
-        else ["eager", "compiled", "frozen"]
+    mode = mode_name(method)
+    modes = [mode] + [m for m in ("compiled", "frozen", "autotuned", "eager") if m != mode]
     return next((f"vanilla-{method.dtype}-{mode}" for mode in modes if f"vanilla-{method.dtype}-{mode}" in names), None)
 
 
@@ -490,10 +496,10 @@ def predicted_against_measured(group: dict, methods: list, targets: dict, runs: 
     speedup over that vanilla. Greedy only: the acceptance model is the greedy one."""
     out = {}
     for m in methods:
-        twin = f"vanilla-{m.dtype}-{'frozen' if m.frozen else 'compiled'}"
+        twin = f"vanilla-{m.dtype}-{mode_name(m)}"
         if m.kind != "eagle" or not m.compiled or m.tree.startswith("dynamic") or twin not in {x.name for x in methods}:
             continue
-        costs, acceptance, _ = generate.cycle_models(Path(m.head), targets[m.dtype], device, frozen=m.frozen)
+        costs, acceptance, _ = generate.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
         if costs is None:
             continue
         tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joints"))
@@ -808,9 +814,9 @@ def parse_args(argv=None):
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
                    "(int4f: int4 with the LM head in bf16) "
                    "(default: fp32 bf16 int8 int4; --quick: fp32 bf16)")
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled", "frozen"],
-                   help="eager, compiled and/or frozen (compiled with the weights frozen and inductor's max-autotune, "
-                   "generate.py --autotune on) (default: eager compiled; --quick: eager)")
+    p.add_argument("--modes", nargs="+", choices=["eager", "compiled", "frozen", "autotuned"],
+                   help="eager, compiled, frozen (compiled with the weights frozen: generate.py --autotune freeze) and/or "
+                   "autotuned (frozen and inductor's max-autotune: --autotune on) (default: eager compiled; --quick: eager)")
     p.add_argument("--trees", nargs="+", help="EAGLE trees, SPEC or NAME=SPEC (see generate.py --tree; default: "
                    f"{' '.join(DEFAULT_TREES)}; --quick: {' '.join(QUICK_TREES)}); chain-N gives n-alpha")
     p.add_argument("--ablation_heads", "--ablation-heads", nargs="+", default=[], metavar="NAME=DIR",
@@ -968,10 +974,10 @@ def run_benchmark(args, argv):
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
             if m.tree == "auto":  # the trees generate.py --tree auto takes at this precision, greedy and sampling
-                m.tree = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, frozen=m.frozen)
+                m.tree = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
                 if any(t > 0 for t in args.temperatures):
                     sampled = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, greedy=False,
-                                                     frozen=m.frozen)
+                                                     kind=m.compile_kind)
                     m.sampling_tree = sampled if sampled != m.tree else None
             for spec in filter(None, (m.tree, m.sampling_tree)):
                 trees[spec] = trees.get(spec) or parse_tree(spec).to(device)
@@ -982,15 +988,14 @@ def run_benchmark(args, argv):
         for limit in ("recompile_limit", "accumulated_recompile_limit"):
             if hasattr(torch._dynamo.config, limit):  # one graph per tree level shape, dtype and tree
                 setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
-    all_steps = {(False, False): generate.EAGER}
-    if any(m.compiled and not m.frozen for m in methods):
-        all_steps[True, False] = generate.Steps.compiled(device, args.compile_prefill)
-    if any(m.frozen for m in methods):
-        all_steps[True, True] = generate.Steps.compiled(device, args.compile_prefill, generate.AUTOTUNE_OPTIONS)
+    all_steps = {(False, "default"): generate.EAGER}
+    for kind, config in generate.COMPILE_KINDS.items():
+        if any(m.compiled and m.compile_kind == kind for m in methods):
+            all_steps[True, kind] = generate.Steps.compiled(device, args.compile_prefill, config)
 
     runners = {}
     for m in methods:
-        steps = all_steps[m.compiled, m.frozen]
+        steps = all_steps[m.compiled, m.compile_kind]
         if m.kind == "vanilla":
             session = generate.Session(targets[m.dtype], max_seq_len, steps=steps)
         elif m.kind == "eagle":

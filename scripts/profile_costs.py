@@ -21,9 +21,11 @@ one row is always a graph of its own, as Dynamo specialises size 1): a fixed-sha
 would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
 compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
 dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
-model calls; of generate.py it takes AUTOTUNE_OPTIONS and compile_step, which applies them). With --autotune, fixed-shape verifies compiled
-with inductor's max-autotune are timed against the default ones; `autotune[precision].faster` (at least
-AUTOTUNE_MARGIN faster) is what generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
+model calls; of generate.py it takes COMPILE_KINDS and compile_step, which applies them). With --autotune,
+fixed-shape verifies compiled each of generate.COMPILE_KINDS' ways (default; weights frozen; frozen and
+inductor's max-autotune) are timed against each other (autotune_table); `autotune[precision].auto`, the fastest
+kind at least AUTOTUNE_MARGIN faster than the default among those inductor's on-disk cache keeps, is what
+generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
 cycle / of a vanilla step beyond these forwards) are arguments, from generate.py's phase times (defaults:
 this machine's, see main).
 
@@ -34,6 +36,7 @@ generate.profile_model): generate.py uses a profile only for a target of that sh
 profile of a machine key is the one kept. tree.CycleCosts.from_profile reads it.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -51,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer, causal_mask  # noqa: E402
-from generate import AUTOTUNE_OPTIONS, compile_step, profile_model  # noqa: E402
+from generate import COMPILE_KINDS, compile_step, profile_model  # noqa: E402
 from tree import cost_profile_path, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -62,7 +65,7 @@ ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
 UPDATE_ROWS = list(range(2, 10))  # depth 1..8
 PREFIX = 300
 PIECES = ("verify", "draft", "update", "move")
-AUTOTUNE_MARGIN = 0.05  # max-autotune is taken where it is at least 5% faster (it costs compile time, no cache)
+AUTOTUNE_MARGIN = 0.05  # a frozen kind is taken where it is at least 5% faster (it costs compile time)
 TOP_K = 4  # draft top-k of a draft step / head update (a tree's max rank + 1; its cost hardly varies)
 
 
@@ -110,7 +113,7 @@ def fresh(fn, tag: str):
 
 
 def compiled(fn, tag: str, inductor_config=None):
-    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: AUTOTUNE_OPTIONS)."""
+    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value)."""
     return compile_step(fresh(fn, tag), inductor_config, fullgraph=True, dynamic=False)
 
 
@@ -252,6 +255,42 @@ def median_ms(times: list) -> float:
     return round(statistics.median(times) * 1000, 4)
 
 
+def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullcontext) -> dict:
+    """Per precision, fixed-shape verifies of `rows` rows compiled each of generate.COMPILE_KINDS' ways, as
+    generate.py --compile compiles them: ms per kind, whether inductor's on-disk cache could keep the kind's graphs
+    (frozen graphs holding oneDNN-packed weights cannot: they are rebuilt at every start), and `auto`, the kind
+    --autotune auto takes: the fastest (geometric mean over rows) at least AUTOTUNE_MARGIN faster than the default
+    among those kept, else "default". timing: a context the timings run in (e.g. one that pauses a background job)."""
+    from torch._dynamo.utils import counters
+
+    jobs, cached = {}, {}
+    for precision, pc in pieces.items():
+        for n in rows:
+            for kind, config in COMPILE_KINDS.items():
+                jobs[precision, kind, n] = pc.call("verify", n, {"verify": compiled(verify_rows, f"{precision}_{kind}_{n}",
+                                                                                     config)}, rows_dynamic=False)
+                bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+                jobs[precision, kind, n]()
+                cached[precision, kind] = cached.get((precision, kind), True) and \
+                    counters["inductor"]["fxgraph_cache_bypass"] == bypassed
+                jobs[precision, kind, n]()
+    with timing():
+        timed, _ = timed_round_robin(jobs, reps, seed=2)
+    table = {}
+    for precision in pieces:
+        ms = {kind: [timed[precision, kind, n] for n in rows] for kind in COMPILE_KINDS}
+        ratio = {kind: statistics.geometric_mean([t / d for t, d in zip(ms[kind], ms["default"])]) for kind in ms}
+        fits = [k for k in ms if k != "default" and cached[precision, k] and ratio[k] < 1 - AUTOTUNE_MARGIN]
+        table[precision] = {"rows": rows, **{f"{kind}_ms": v for kind, v in ms.items()},
+                            "ratio": {kind: round(r, 3) for kind, r in ratio.items() if kind != "default"},
+                            "cached": {kind: cached[precision, kind] for kind in ms if kind != "default"},
+                            "auto": min(fits, key=ratio.get) if fits else "default"}
+        print(f"{precision}: verify time over the default {table[precision]['ratio']} at rows {rows}, kept by "
+              f"inductor's cache {table[precision]['cached']}: --autotune auto takes {table[precision]['auto']}",
+              file=sys.stderr)
+    return table
+
+
 def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
     """jobs: {name: callable}; each rep runs every job once in a fresh random order. Median ms per job of
     this thread's CPU time (what the call costs on an idle core: a busy machine's other processes stretch
@@ -318,8 +357,9 @@ def main(argv=None):
                    help="also the pieces of batched cycles of B rows each (batched.py; generate.py --batch_size B "
                    "--tree auto reads them), at row counts BATCH_ROWS")
     p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
-                   help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled with "
-                   "generate.AUTOTUNE_OPTIONS against the default: generate.py --autotune auto follows the result")
+                   help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled each of "
+                   "generate.COMPILE_KINDS' ways (default, frozen, frozen + max-autotune): generate.py --autotune auto "
+                   "follows the result")
     args = p.parse_args(argv)
     if any(b < 2 for b in args.batch_sizes):
         p.error("--batch_sizes are batch sizes of 2 or more (batch size 1 is the main profile)")
@@ -363,24 +403,7 @@ def main(argv=None):
                                                            for kind in ("fixed", "curve", "eager")},
                                 "wall": {kind: [checked_wall[precision, kind, n] for n in args.check_rows]
                                          for kind in ("fixed", "curve", "eager")}}
-    autotune = {}
-    if args.autotune is not None:  # inductor's max-autotune against its default, fixed shapes as generate.py's
-        rows = args.autotune or [1, 4, 16]
-        at_jobs = {}
-        for precision, pc in pieces.items():
-            for n in rows:
-                for kind, config in (("default", None), ("autotuned", AUTOTUNE_OPTIONS)):
-                    fn = compiled(verify_rows, f"{precision}_{kind}_{n}", config)
-                    at_jobs[precision, kind, n] = pc.call("verify", n, {"verify": fn}, rows_dynamic=False)
-                    at_jobs[precision, kind, n]()
-                    at_jobs[precision, kind, n]()
-        timed, _ = timed_round_robin(at_jobs, args.reps, seed=2)
-        for precision in pieces:
-            default, tuned = ([timed[precision, kind, n] for n in rows] for kind in ("default", "autotuned"))
-            ratio = statistics.geometric_mean([t / d for t, d in zip(tuned, default)])
-            autotune[precision] = {"rows": rows, "default_ms": default, "autotuned_ms": tuned,
-                                   "ratio": round(ratio, 3), "faster": ratio < 1 - AUTOTUNE_MARGIN}
-            print(f"{precision}: autotuned / default verify time {ratio:.3f} at rows {rows}", file=sys.stderr)
+    autotune = autotune_table(pieces, args.autotune or [1, 4, 16], args.reps) if args.autotune is not None else {}
     batches = {}
     for batch_size in args.batch_sizes:  # each precision's pieces again, at this batch size (after the others)
         t = time.perf_counter()

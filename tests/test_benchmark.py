@@ -185,15 +185,15 @@ def test_n_alpha_and_acceptance_helpers():
 
 
 def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkeypatch):
-    """A stand-in for torch.compile: compiled (and frozen) methods must call the compiled steps, eager ones never,
-    frozen ones under inductor's AUTOTUNE_OPTIONS, and generate's eager steps are its module functions throughout.
-    Also --questions with categories."""
+    """A stand-in for torch.compile: compiled (frozen, autotuned) methods must call the compiled steps, eager ones
+    never, frozen ones with inductor's freezing on, autotuned ones with max-autotune too, and generate's eager steps
+    are its module functions throughout. Also --questions with categories."""
     calls, frozen_calls = [], []
 
     def fake_compile(fn, **options):
         def compiled(*args, **kwargs):
             calls.append(fn.__name__)
-            frozen_calls.append(torch._inductor.config.freezing)
+            frozen_calls.append((torch._inductor.config.freezing, torch._inductor.config.max_autotune))
             return fn(*args, **kwargs)
         return compiled
 
@@ -214,7 +214,7 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
         {"question_id": 2, "category": "poetry", "turns": ["A haiku about owls."]}]))
     threads = torch.get_num_threads()
     try:
-        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "compiled", "frozen",
+        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "compiled", "frozen", "autotuned",
                                  "--dtypes", "fp32", "--trees", "chain-3", "--temperatures", "0",
                                  "--max_new_tokens", "6", "--threads", "1", "--out", str(tmp_path / "c")])
     finally:
@@ -224,13 +224,14 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
         generate.decode_one_token, generate.verify, generate.draft_step, generate.head_extend, generate.prefill,
         generate.head_extend)
     assert {name for name, *_ in ran} == {f"{kind}-fp32-{mode}" for kind in ("vanilla", "eagle-chain-3")
-                                          for mode in ("eager", "compiled", "frozen")}
-    for name, n_calls, freezing in ran:
+                                          for mode in ("eager", "compiled", "frozen", "autotuned")}
+    settings = {"eager": set(), "compiled": {(False, False)}, "frozen": {(True, False)}, "autotuned": {(True, True)}}
+    for name, n_calls, config in ran:
         assert (n_calls > 0) == (not name.endswith("eager")), (name, n_calls)
-        assert freezing == ({True} if name.endswith("frozen") else {False} if n_calls else set()), (name, freezing)
+        assert config == settings[name.rsplit("-", 1)[1]], (name, config)
     group = result["summary"][0]
     assert group["dataset"] == "q" and set(group["categories"]) == {"math", "poetry"}
-    assert len(result["runs"]) == 6 * 3  # 6 methods x (2 + 1 turns)
+    assert len(result["runs"]) == 8 * 3  # 8 methods x (2 + 1 turns)
     assert {r["match_reference"] for r in result["runs"] if r["method"] == "eagle-chain-3-fp32-frozen"} == {
         "vanilla-fp32-frozen"}
     assert all(s["outputs_match_vanilla"]["matched"] == 3

@@ -171,23 +171,24 @@ def test_batched_costs_choose_for_the_batch_size():
 
 
 def test_frozen_costs_scale_the_verify_by_the_measured_ratio():
-    """--autotune's frozen steps: from_profile(..., frozen=True) scales the verify curve by profile_costs.py
-    --autotune's autotuned / default ratio at 1, 4 and 16 rows, linear in log(rows) between them and flat
-    outside; a precision with no such measurement keeps its curve. A frozen one-row step gains more than
+    """--autotune's frozen steps: from_profile(..., kind=K) scales the verify curve by profile_costs.py
+    --autotune's K / default ratio at 1, 4 and 16 rows, linear in log(rows) between them and flat outside; a
+    kind or precision with no such measurement keeps its curve. A frozen one-row step gains more than
     its rows do here, so the tree chosen frozen is smaller."""
     flat = {"draft_ms": {"1": 0.2, "16": 0.3}, "update_ms": {"2": 0.5, "9": 0.6}, "move_ms": {"2": 0.1, "9": 0.1}}
     profile = {"precisions": {"bf16": {"verify_ms": {"1": 40.0, "2": 60.0, "4": 80.0, "16": 160.0, "32": 320.0}, **flat},
                               "int4": {"verify_ms": {"1": 10.0, "16": 60.0}, **flat}},
                "autotune": {"bf16": {"rows": [1, 4, 16], "default_ms": [40.0, 80.0, 160.0],
-                                     "autotuned_ms": [10.0, 40.0, 160.0], "ratio": 0.5, "faster": True}}}
+                                     "autotuned_ms": [10.0, 40.0, 160.0], "frozen_ms": [20.0, 40.0, 80.0]}}}
     assert tree.frozen_ratio(profile, "bf16", 1) == pytest.approx(0.25)
     assert tree.frozen_ratio(profile, "bf16", 2) == pytest.approx(0.375)  # halfway from 1 to 4 rows in log(rows)
     assert tree.frozen_ratio(profile, "bf16", 8) == pytest.approx(0.75) and tree.frozen_ratio(profile, "bf16", 32) == 1.0
-    assert tree.frozen_ratio(profile, "int4", 4) == 1.0
-    default, frozen = (CycleCosts.from_profile(profile, "bf16", frozen=f) for f in (False, True))
+    assert tree.frozen_ratio(profile, "int4", 4) == 1.0 and tree.frozen_ratio(profile, "bf16", 4, "default") == 1.0
+    assert tree.frozen_ratio(profile, "bf16", 16, "frozen") == pytest.approx(0.5)
+    default, frozen = (CycleCosts.from_profile(profile, "bf16", kind=k) for k in ("default", "autotuned"))
     assert frozen.decode_ms == pytest.approx(10.0) and default.decode_ms == pytest.approx(40.0)
     assert frozen.verify["2"] == pytest.approx(22.5) and frozen.draft == default.draft
-    assert CycleCosts.from_profile(profile, "int4", frozen=True).verify == profile["precisions"]["int4"]["verify_ms"]
+    assert CycleCosts.from_profile(profile, "int4", kind="autotuned").verify == profile["precisions"]["int4"]["verify_ms"]
     p = [[0.8, 0.1]] * 6  # frozen, a step's extra rows cost relatively more (2 rows: 2.25 steps, not 1.5)
     assert len(auto_tree(p, frozen).paths) < len(auto_tree(p, default).paths)
 
@@ -328,25 +329,32 @@ def test_context_lookup_copies_the_latest_match():
 
 
 def test_autotune_follows_this_machines_measurement(tmp_path, monkeypatch, capsys):
-    """--autotune auto compiles with inductor's max-autotune only where profile_costs.py --autotune measured
-    it faster at this precision; on / off force it; no profile: off."""
+    """--autotune auto compiles the way profile_costs.py --autotune measured fastest at this precision (its
+    "auto": default, frozen or autotuned; an older profile's {"faster": bool} means autotuned or default);
+    on / freeze / off force a kind; no profile: the default compile."""
     import torch
 
     import generate
     from test_eagle import tiny_target
 
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
     model = tiny_target()  # fp32
-    on = {"inductor_config": generate.AUTOTUNE_OPTIONS}
-    assert generate.autotune_options("auto", model, "cpu") == {} and generate.autotune_options("on", model, "cpu") == on
+    assert generate.compile_kind("auto", model, "cpu") == "default"
+    assert [generate.compile_kind(c, model, "cpu") for c in ("on", "freeze", "off")] == ["autotuned", "frozen", "default"]
     path = tree.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
-    for faster, expected in ((True, on), (False, {})):
+    for entry, expected in (({"auto": "frozen"}, "frozen"), ({"auto": "autotuned"}, "autotuned"),
+                            ({"auto": "default"}, "default"), ({"faster": True}, "autotuned"), ({"faster": False}, "default")):
         path.write_text(json.dumps({"model": generate.profile_model(model.config), "precisions": {},
-                                    "autotune": {"fp32": {"ratio": 0.5 if faster else 1.0, "faster": faster}}}))
-        assert generate.autotune_options("auto", model, "cpu") == expected
-        assert generate.autotune_options("off", model, "cpu") == {}
-    assert "max-autotune (measured faster here for fp32" in capsys.readouterr().err
+                                    "autotune": {"fp32": entry}}))
+        assert generate.compile_kind("auto", model, "cpu") == expected
+        assert generate.compile_kind("off", model, "cpu") == "default"
+        assert generate.COMPILE_KINDS[expected] == {"default": None, "frozen": generate.FREEZE_OPTIONS,
+                                                    "autotuned": generate.AUTOTUNE_OPTIONS}[expected]
+    err = capsys.readouterr().err
+    assert "compile: weights frozen (measured faster here for fp32" in err
+    assert "compile: weights frozen and inductor max-autotune (measured faster here for fp32" in err
 
 
 def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsys):
