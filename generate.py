@@ -19,7 +19,9 @@ import json
 import os
 import sys
 import time
+import types
 import warnings
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,10 +180,16 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options)
     """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
     the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
     not honoured, and without frozen weights the max-autotune GEMM templates are never used (issue 29: the
-    compiled code then holds no _frozen_param; the patch costs ~30 us a call)."""
-    compiled = torch.compile(f, **options)
+    compiled code then holds no _frozen_param; the patch costs ~30 us a call). With inductor_config, f is compiled
+    as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
+    would otherwise hand this step the graph a default compile of the same function made earlier in the process
+    (as when the benchmark runs both)."""
     if not inductor_config:
-        return compiled
+        return torch.compile(f, **options)
+    tag = zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode())  # one code object per setting
+    f = types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag:08x}"), f.__globals__, f.__name__,
+                           f.__defaults__, f.__closure__)
+    compiled = torch.compile(f, **options)
     # quiet: the autotuner prints every timing table to stderr (PRINT_AUTOTUNE, a module flag, and the choices'
     # stats) and reads a tensor's storage(), whose deprecation warning is torch's own, not the user's
     import torch._inductor.select_algorithm as select_algorithm

@@ -370,3 +370,23 @@ def test_missing_llama_cpp_peer_is_skipped_with_its_install_command(tmp_path, mo
     err = capsys.readouterr().err
     assert "llamacpp peers skipped: llama_cpp is not installed (pip install llama-cpp-python==" in err
     assert {run["method"] for run in result["runs"]} == {"vanilla-fp32-eager"}
+
+
+def test_benchmark_frozen_methods_compile_frozen_graphs(tmp_path):
+    """benchmark --modes compiled frozen: the frozen methods run graphs of their own with the weights frozen, not
+    the default graphs of the same step functions compiled just before in the process (Dynamo keeps graphs on a
+    function's code object and handed those over, until generate.compile_step gave each setting its own copy)."""
+    from torch._inductor.utils import run_and_get_code
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}))
+    threads = torch.get_num_threads()
+    try:
+        result, code = run_and_get_code(benchmark.main, [
+            "--quick", "--questions", str(questions), "--modes", "compiled", "frozen", "--dtypes", "fp32",
+            "--methods", "vanilla-*", "--temperatures", "0", "--max_new_tokens", "4", "--threads", "1",
+            "--out", str(tmp_path / "b")])
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert sum("_frozen_param" in c for c in code) >= 1 and sum("_frozen_param" not in c for c in code) >= 1
