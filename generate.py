@@ -208,10 +208,10 @@ EAGER = Steps()
 # Freezing folds the weights into the graphs as constants, so inductor can prepack them for oneDNN and fold
 # what depends on them only; max-autotune adds its own CPU GEMM micro-kernels (AVX-512, AMX) where they beat
 # the ATen / oneDNN calls, picked by timing both per matrix shape at compile time. Which pays depends on the CPU
-# and precision (AVX-512 BF16, one thread: bf16 26.0 -> 17.1 ms frozen, 27.6 autotuned; int4 10.7 -> 10.1
-# frozen, 8.9 autotuned; up to 2x on a Xeon with AMX): scripts/profile_costs.py --autotune measures the three on
-# the machine at hand, --autotune auto follows the measurement. Graphs holding oneDNN-packed weights (bf16,
-# fp32) are rebuilt at every start (inductor's cache cannot keep them); int4's and int8's are kept.
+# and precision (AVX-512 BF16, one thread, a one-row step: bf16 24.9 -> 16.1 ms frozen, 27.6 autotuned; int4
+# 10.6 -> 9.9 frozen, 8.6 autotuned; up to 2x on a Xeon with AMX): scripts/profile_costs.py --autotune measures
+# the three on the machine at hand, --autotune auto follows the measurement. Frozen graphs holding oneDNN-packed
+# weights (bf16, int8, fp32) are rebuilt at every start (inductor's cache cannot store them); int4's are kept.
 FREEZE_OPTIONS = {"freezing": True}
 AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 COMPILE_KINDS = {"default": None, "frozen": FREEZE_OPTIONS, "autotuned": AUTOTUNE_OPTIONS}  # --autotune off/freeze/on
@@ -796,10 +796,10 @@ AUTOTUNE_CHOICES = {"off": "default", "freeze": "frozen", "on": "autotuned"}  # 
 
 
 def auto_compile_kind(profile: Optional[dict], precision: str) -> str:
-    """--autotune auto: the COMPILE_KINDS kind that profile_costs.py --autotune measured fastest at this precision,
-    at least profile_costs.AUTOTUNE_MARGIN faster than the default, among those inductor's on-disk cache keeps (the others
-    rebuild every graph at each start: a minute or more); "default" without such a measurement. A profile of
-    before the three kinds holds {"faster": bool}, the autotuned kind's verdict."""
+    """--autotune auto: the COMPILE_KINDS kind that profile_costs.py --autotune measured fastest at this
+    precision, at least profile_costs.AUTOTUNE_MARGIN faster than the default, among those inductor's on-disk
+    cache keeps (the others rebuild every graph at each start: a minute or more); "default" without such a
+    measurement. A profile of before the three kinds holds {"faster": bool}, the autotuned kind's verdict."""
     at = (profile or {}).get("autotune", {}).get(precision, {})
     return at.get("auto", "autotuned" if at.get("faster") else "default")
 
