@@ -916,7 +916,7 @@ def parse_args(argv=None):
                    "float checkpoint on first use into a file beside it (quantize.py's, int4 with --quantize_lm_head)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
-    p.add_argument("--autotune", choices=["auto", "on", "freeze", "off"], default="auto", help="with --compile: "
+    p.add_argument("--autotune", choices=["auto", *AUTOTUNE_CHOICES], default="auto", help="with --compile: "
                    "freeze the weights into the graphs (freeze) and add inductor's max-autotune GEMM kernels (on); "
                    "auto: what scripts/profile_costs.py --autotune measured fastest here among what inductor's cache "
                    "keeps between runs")

@@ -115,10 +115,13 @@ def tree_entries(specs: list) -> list:
     return entries
 
 
+# a method name's MODE: (compiled, generate.COMPILE_KINDS key)
+MODES = {"eager": (False, "default"), "compiled": (True, "default"), "frozen": (True, "frozen"),
+         "autotuned": (True, "autotuned")}
+
+
 def build_methods(args) -> list:
-    modes = [("eager", False, "default"), ("compiled", True, "default"), ("frozen", True, "frozen"),
-             ("autotuned", True, "autotuned")]
-    modes = [(label, c, k) for label, c, k in modes if label in args.modes]
+    modes = [(label, *MODES[label]) for label in MODES if label in args.modes]
     methods = [Method(f"vanilla-{d}-{label}", "vanilla", d, c, k) for d in args.dtypes for label, c, k in modes]
     heads = [("", str(args.head) if args.head else None, tree_entries(args.trees))]
     for entry in args.ablation_heads:
@@ -151,7 +154,7 @@ def reference_method(methods: list) -> Method:
 
 def mode_name(m: Method) -> str:
     """The MODE of a method's name: eager, compiled, frozen or autotuned."""
-    return "eager" if not m.compiled else "compiled" if m.compile_kind == "default" else m.compile_kind
+    return next(label for label, setting in MODES.items() if setting == (m.compiled, m.compile_kind))
 
 
 def vanilla_twin(method: Method, methods: list) -> Optional[str]:
@@ -162,7 +165,7 @@ def vanilla_twin(method: Method, methods: list) -> Optional[str]:
         twin = f"vanilla-{method.dtype}-eager"
         return twin if method.compiled and twin in names else None
     mode = mode_name(method)
-    modes = [mode] + [m for m in ("compiled", "frozen", "autotuned", "eager") if m != mode]
+    modes = [mode] + [m for m in MODES if m != mode and m != "eager"] + ["eager"] * (mode != "eager")
     return next((f"vanilla-{method.dtype}-{mode}" for mode in modes if f"vanilla-{method.dtype}-{mode}" in names), None)
 
 
@@ -814,7 +817,7 @@ def parse_args(argv=None):
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
                    "(int4f: int4 with the LM head in bf16) "
                    "(default: fp32 bf16 int8 int4; --quick: fp32 bf16)")
-    p.add_argument("--modes", nargs="+", choices=["eager", "compiled", "frozen", "autotuned"],
+    p.add_argument("--modes", nargs="+", choices=list(MODES),
                    help="eager, compiled, frozen (compiled with the weights frozen: generate.py --autotune freeze) and/or "
                    "autotuned (frozen and inductor's max-autotune: --autotune on) (default: eager compiled; --quick: eager)")
     p.add_argument("--trees", nargs="+", help="EAGLE trees, SPEC or NAME=SPEC (see generate.py --tree; default: "

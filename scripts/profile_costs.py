@@ -41,12 +41,14 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
 import types
 from datetime import date
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -255,12 +257,25 @@ def median_ms(times: list) -> float:
     return round(statistics.median(times) * 1000, 4)
 
 
+@contextlib.contextmanager
+def paused(pid: Optional[int]):
+    """Process `pid` (a background job, e.g. the data engine) stopped with SIGSTOP for the block, so that timings
+    taken in it run alone; nothing when pid is None."""
+    if pid:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+
+
 def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullcontext) -> dict:
     """Per precision, fixed-shape verifies of `rows` rows compiled each of generate.COMPILE_KINDS' ways, as
     generate.py --compile compiles them: ms per kind, whether inductor's on-disk cache could keep the kind's graphs
     (frozen graphs holding oneDNN-packed weights cannot: they are rebuilt at every start), and `auto`, the kind
     --autotune auto takes: the fastest (geometric mean over rows) at least AUTOTUNE_MARGIN faster than the default
-    among those kept, else "default". timing: a context the timings run in (e.g. one that pauses a background job)."""
+    among those kept, else "default". timing: a context the timings run in (e.g. paused)."""
     from torch._dynamo.utils import counters
 
     jobs, cached = {}, {}

@@ -8,8 +8,6 @@ torch._inductor.config. Also the compile (warm-up) time of each graph. --pause_p
 """
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import time
@@ -19,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from generate import AUTOTUNE_OPTIONS  # noqa: E402
-from scripts.profile_costs import Pieces, compiled, timed_round_robin, verify_rows  # noqa: E402
+from scripts.profile_costs import Pieces, compiled, paused, timed_round_robin, verify_rows  # noqa: E402
 from tree import instruction_set  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -44,13 +42,8 @@ for precision in args.precisions:
             warm[precision, kind, n] = round(time.perf_counter() - t, 1)
             jobs[precision, kind, n]()
             print(precision, kind, n, "warm-up", warm[precision, kind, n], "s", file=sys.stderr, flush=True)
-if args.pause_pid:
-    os.kill(args.pause_pid, signal.SIGSTOP)
-try:
+with paused(args.pause_pid):
     cpu, wall = timed_round_robin(jobs, args.reps)
-finally:
-    if args.pause_pid:
-        os.kill(args.pause_pid, signal.SIGCONT)
 result = {"isa": instruction_set(), "torch": torch.__version__, "threads": args.threads, "reps": args.reps,
           "settings": AUTOTUNE_OPTIONS, "precisions": {}}
 for precision in args.precisions:

@@ -7,17 +7,14 @@ job (the data engine) stopped with SIGSTOP while timing, so that the timings run
     python results/2026-12-02-autotune-kinds-avx512-bf16/measure.py --threads 1 --pause_pid PID
 """
 import argparse
-import contextlib
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scripts.profile_costs import Pieces, autotune_table  # noqa: E402
+from scripts.profile_costs import Pieces, autotune_table, paused  # noqa: E402
 from tree import instruction_set  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -32,19 +29,8 @@ torch.set_num_threads(args.threads)
 torch.set_grad_enabled(False)
 
 
-@contextlib.contextmanager
-def paused():
-    if args.pause_pid:
-        os.kill(args.pause_pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if args.pause_pid:
-            os.kill(args.pause_pid, signal.SIGCONT)
-
-
 pieces = {precision: Pieces(precision, "eager") for precision in args.precisions}
-table = autotune_table(pieces, args.rows, args.reps, paused)
+table = autotune_table(pieces, args.rows, args.reps, lambda: paused(args.pause_pid))
 out = args.out or Path(__file__).with_name(f"autotune-t{args.threads}.json")
 out.write_text(json.dumps({"isa": instruction_set(), "torch": torch.__version__, "threads": args.threads,
                            "reps": args.reps, "autotune": table}, indent=1))

@@ -9,8 +9,6 @@ graph's compile time and whether inductor's FX graph cache could store it.
 """
 import argparse
 import json
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from generate import AUTOTUNE_OPTIONS  # noqa: E402
-from scripts.profile_costs import Pieces, compiled, timed_round_robin, verify_rows  # noqa: E402
+from scripts.profile_costs import Pieces, compiled, paused, timed_round_robin, verify_rows  # noqa: E402
 from tree import instruction_set  # noqa: E402
 
 VARIANTS = {
@@ -58,13 +56,8 @@ for precision in args.precisions:
             jobs[precision, kind, n]()
             print(precision, kind, n, "warm-up", warm[precision, kind, n], "s", cache[precision, kind, n],
                   file=sys.stderr, flush=True)
-if args.pause_pid:
-    os.kill(args.pause_pid, signal.SIGSTOP)
-try:
+with paused(args.pause_pid):
     cpu, wall = timed_round_robin(jobs, args.reps)
-finally:
-    if args.pause_pid:
-        os.kill(args.pause_pid, signal.SIGCONT)
 result = {"isa": instruction_set(), "torch": torch.__version__, "threads": args.threads, "reps": args.reps,
           "variants": {k: VARIANTS[k] for k in args.variants}, "precisions": {}}
 for precision in args.precisions:
