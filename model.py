@@ -141,6 +141,11 @@ def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else weight_dtype
 
 
+# forward(mask=SELF_CAUSAL): each token sees the earlier tokens of the same call only, not the KV cache (training's
+# target pass over whole sequences): SDPA's causal kernel skips the masked half that an explicit mask makes it compute
+SELF_CAUSAL = "self-causal"
+
+
 def causal_mask(input_pos: Tensor, max_seq_len: int) -> Tensor:
     """[T, max_seq_len] bool (input_pos [T]; [B, T, max_seq_len] for per-row slots [B, T]): the token in cache
     slot input_pos[i] sees slots 0..input_pos[i]."""
@@ -201,7 +206,8 @@ class Transformer(nn.Module):
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
-        slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache). A tuple of G masks
+        slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache); SELF_CAUSAL: causal over
+        this call's tokens, no cache read. A tuple of G masks
         [B / G, 1, T, S_g]: consecutive groups of rows, each reading its own S_g slots (batched decoding).
         rope_pos: rotary positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
@@ -210,7 +216,7 @@ class Transformer(nn.Module):
         hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
-        if not isinstance(mask, tuple):  # a tuple: masks of consecutive row groups, each over its own slots
+        if not isinstance(mask, (tuple, str)):  # a tuple: masks of consecutive row groups, each over its own slots
             mask = mask[:, None] if mask.dim() == 3 else mask  # [B, T, S] -> [B, heads (broadcast), T, S]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
@@ -307,6 +313,10 @@ class Attention(nn.Module):
         k = apply_rope(k.view(bsz, seqlen, self.n_local_heads, self.head_dim), cos, sin)
         v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        if mask is SELF_CAUSAL:  # in the precision a KV cache would hold them
+            q, k, v = (t.to(cache_dtype(x.dtype, x.device)) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_local_heads)
+            return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
             k, v = self.kv_cache.update(input_pos, k, v)
         groups = mask if isinstance(mask, tuple) else (mask,)  # masks of consecutive row groups

@@ -29,6 +29,7 @@ regression); SmoothL1_0 + ce_weight * sum_s 0.8^s CE_s for EAGLE-1. bf16 autocas
 CPU has AVX512-BF16 / AMX.
 """
 import argparse
+import copy
 import importlib.util
 import itertools
 import json
@@ -47,7 +48,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import INPUT_MODES, Eagle3Head, EagleHead, load_head  # noqa: E402
-from model import Transformer, causal_mask  # noqa: E402
+from model import SELF_CAUSAL, Transformer, causal_mask  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 HELD_OUT = 200  # the first conversations of the file are never trained on
@@ -718,27 +719,61 @@ def shifted(x: Tensor, n: int, fill=0) -> Tensor:
     return torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
 
 
+def document_spans(doc: Tensor) -> list:
+    """(row, start, end) of every sequence packed in doc [B, T] (packed_batch's: 0, 1, ... then -1 padding)."""
+    spans = []
+    for b, row in enumerate(doc.tolist()):
+        at = 0
+        for n in torch.bincount(torch.tensor([d for d in row if d >= 0], dtype=torch.long)).tolist():
+            spans.append((b, at, at + n))
+            at += n
+    return spans
+
+
+def linears_in_bf16(target: Transformer) -> Transformer:
+    """A copy of the target for target_pass under bf16 autocast, its Linear weights stored in bf16: it computes
+    what the target computes there (autocast casts those weights to bf16 at every call, and does not cache the
+    casts of a frozen model's weights: 8% of a training step), the rest (embeddings, norms, the residual
+    stream) in the target's own precision."""
+    model = copy.deepcopy(target)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):  # a new tensor: a weight tied to the embeddings stays fp32 there
+            module.weight = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+    return model
+
+
 @torch.no_grad()
-def target_pass(target: Transformer, head, batch: dict, cache_len: int = 0) -> dict:
-    """One target prefill over packed rows, each sequence seeing only itself (rotary positions run on
-    across a row, which changes no attention score: RoPE scores depend on relative positions only).
-    Adds `features`, the head's input at the first step (an Eagle3Head's fused layers, an EagleHead's
-    post-norm features, its regression target too), the target's greedy token `target_top` [B, T] (full
-    vocabulary) and its distribution over the head's draft vocabulary `target_p` [B, T, draft vocab]
-    (fp32). cache_len: KV cache slots to allocate (at least T), so that packed rows reuse one cache."""
-    tokens = batch["tokens"]
+def target_pass(target: Transformer, head, batch: dict) -> dict:
+    """The target over each sequence of packed rows on its own (causal attention over its tokens: a packed
+    row's document mask made the attention kernel compute every pair of the row, 35% of the pass; rotary
+    positions from 0 change no score: RoPE scores depend on relative positions only). Adds `features`
+    [B, T, ...], the head's input at the first step (an Eagle3Head's fused layers, an EagleHead's post-norm
+    features, its regression target too; zero on padding), and where loss_mask is set (the positions a draft
+    is scored at), the target's greedy token `target_top` [B, T] (full vocabulary) and its distribution over
+    the head's draft vocabulary `target_p` [B, T, draft vocab] (fp32; zero elsewhere)."""
+    tokens, loss_mask = batch["tokens"], batch["loss_mask"]
     B, T = tokens.shape
-    if target.max_batch_size != B or target.max_seq_len < T:
-        target.setup_caches(B, max(T, cache_len))
+    device = target.output.weight.device
+    vocab = None if head.draft_vocab is None else head.draft_vocab.to(device)
+    if target.max_seq_len < T:
+        target.setup_caches(1, T)  # the rotary tables (SELF_CAUSAL reads no cache)
     target.feature_layers = head.feature_layers if isinstance(head, Eagle3Head) else None
+    features = None
+    top = torch.zeros(B, T, dtype=torch.long, device=device)
+    probs = torch.zeros(B, T, target.config.vocab_size if vocab is None else len(vocab), device=device)
     try:
-        logits, features = target(tokens.to(target.output.weight.device), torch.arange(T, device=tokens.device),
-                                  mask=document_mask(batch["doc"]))
+        for b, start, end in document_spans(batch["doc"]):
+            at = loss_mask[b, start:end].nonzero()[:, 0].to(device)
+            logits, f = target(tokens[b, start:end][None].to(device), torch.arange(end - start, device=device),
+                               mask=SELF_CAUSAL, logits_at=at)
+            if features is None:
+                features = torch.zeros(B, T, f.shape[-1], dtype=f.dtype, device=device)
+            features[b, start:end] = f[0]
+            top[b, start + at] = logits[0].argmax(-1)
+            probs[b, start + at] = (logits[0] if vocab is None else logits[0].index_select(-1, vocab)).float().softmax(-1)
     finally:
         target.feature_layers = None
-    vocab = head.draft_vocab
-    draft = logits if vocab is None else logits.index_select(-1, vocab.to(logits.device))
-    return {**batch, "features": features, "target_top": logits.argmax(-1), "target_p": draft.float().softmax(-1)}
+    return {**batch, "features": features, "target_top": top, "target_p": probs}
 
 
 class StepCache(torch.nn.Module):
@@ -982,6 +1017,7 @@ def cmd_online(args):
         print(json.dumps(row), file=sys.stderr)
 
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16)
+    feature_model = linears_in_bf16(target) if bf16 else target
     if state["step"] == 0 and not state["curve"]:
         run_eval()  # the starting point: --init's head (or a fresh one) on the same held-out sets
     bar = tqdm(total=total_steps, initial=state["step"], desc=f"{type(head).__name__} ttt-{depth}")
@@ -999,7 +1035,7 @@ def cmd_online(args):
             for group in optimizer.param_groups:
                 group["lr"] = warmup_cosine(state["step"], args.lr, args.warmup, total_steps)
             with autocast:
-                batch = target_pass(target, head, packed_batch(train, batch_rows), args.pack_len)
+                batch = target_pass(feature_model, head, packed_batch(train, batch_rows))
                 t1 = time.perf_counter()
                 steps = unrolled_steps(target, head, batch, depth, args.noise)
                 loss = unrolled_loss(head, steps, args.ce_weight)

@@ -262,9 +262,24 @@ def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
         n = len(s["tokens"])
         fresh = tiny_target()
         fresh.setup_caches(1, n)
-        _, features = fresh(torch.tensor([s["tokens"]]), torch.arange(n))
+        logits, features = fresh(torch.tensor([s["tokens"]]), torch.arange(n))
         torch.testing.assert_close(batch["features"][0, at: at + n], features[0], atol=1e-5, rtol=0)
+        scored = torch.tensor(s["loss_mask"])  # the target's token and distribution where a draft is scored
+        assert torch.equal(batch["target_top"][0, at: at + n][scored], logits[0, scored].argmax(-1))
+        torch.testing.assert_close(batch["target_p"][0, at: at + n][scored], logits[0, scored].softmax(-1))
+        assert not batch["target_p"][0, at: at + n][~scored].any()
         at += n
+    # training's bf16 copy: its Linear weights in bf16, a weight tied to the embeddings stays fp32 there, and
+    # under autocast it computes exactly what the target computes
+    target.output.weight = target.tok_embeddings.weight
+    copy = train_eagle.linears_in_bf16(target)
+    assert copy.output.weight.dtype == torch.bfloat16 and copy.layers[0].attention.wqkv.weight.dtype == torch.bfloat16
+    assert copy.tok_embeddings.weight.dtype == target.output.weight.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = train_eagle.packed_batch(train, [[0, 1]])
+        ours, theirs = (train_eagle.target_pass(m, EagleHead(target.config), rows) for m in (copy, target))
+    for key in ("features", "target_top", "target_p"):
+        assert torch.equal(ours[key], theirs[key]), key
 
 
 def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint):
