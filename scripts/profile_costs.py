@@ -258,15 +258,16 @@ def median_ms(times: list) -> float:
 
 
 @contextlib.contextmanager
-def paused(pid: Optional[int]):
-    """Process `pid` (a background job, e.g. the data engine) stopped with SIGSTOP for the block, so that timings
-    taken in it run alone; nothing when pid is None."""
-    if pid:
+def paused(*pids: Optional[int]):
+    """Processes `pids` (background jobs, e.g. the data engine) stopped with SIGSTOP for the block, so that timings
+    taken in it run alone; None or no pid: nothing."""
+    pids = [pid for pid in pids if pid]
+    for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        if pid:
+        for pid in pids:
             os.kill(pid, signal.SIGCONT)
 
 

@@ -626,8 +626,13 @@ def cmd_eval(args):
     head_dir = Path(args.head)
     results, sequences_of = {}, {}
     for name in args.sets:
-        records = load_records(Path(args.data), f"eval-{name}")[: args.records]
-        if records:
+        records = [] if name == "answers" else load_records(Path(args.data), f"eval-{name}")[: args.records]
+        if name == "answers" and args.answers:  # the target's greedy answers to the held-out conversations
+            from scripts.make_data import weights_hash
+            sequences = answer_sequences(Path(args.answers) / "heldout", weights_hash(target), 1024,
+                                         temperature=0.0)[: args.records]
+            (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
+        elif records:
             sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records]
             (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
         else:
@@ -900,6 +905,19 @@ def conversation_sequences(records: list, loops: bool = False) -> Iterator[tuple
         yield done(tokens, mask)
 
 
+def answer_sequences(folder: Path, target_hash: Optional[str], pack_len: int, keep_loops: bool = False,
+                     temperature: Optional[float] = None) -> list:
+    """The training sequences ({"tokens", "loss_mask"} lists, cut to pack_len, each with an answer token after its
+    first) of the answers scripts/make_data.py stored in `folder` (see conversation_sequences); only those sampled
+    at `temperature` if given."""
+    from scripts.make_data import load_answers
+
+    records = [r for r in load_answers(folder, target_hash) if temperature is None or r["temperature"] == temperature]
+    rows = [{"tokens": tokens[:pack_len], "loss_mask": mask[:pack_len]}
+            for tokens, mask in conversation_sequences(records, keep_loops)]
+    return [s for s in rows if any(s["loss_mask"][1:])]
+
+
 def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
     """Training and held-out sequences ({"tokens", "loss_mask"} lists, cut to --pack_len): ShareGPT
     conversations rendered with the chat template, held out: the first ones; or with --shards, the token
@@ -913,14 +931,9 @@ def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
         return [s for s in rows if any(s["loss_mask"][1:])]
 
     if args.answers:
-        from scripts.make_data import load_answers
-
-        def answered(records):
-            return cut({"tokens": torch.tensor(tokens), "loss_mask": torch.tensor(mask)}
-                       for tokens, mask in conversation_sequences(records, getattr(args, "keep_loops", False)))
-
-        train = answered(load_answers(Path(args.answers), target_hash))
-        held = answered(load_answers(Path(args.answers) / "heldout", target_hash))
+        keep_loops = getattr(args, "keep_loops", False)
+        train = answer_sequences(Path(args.answers), target_hash, args.pack_len, keep_loops)
+        held = answer_sequences(Path(args.answers) / "heldout", target_hash, args.pack_len, keep_loops)
         evals = {"answers": held[: args.eval_records]} if held else {}
     elif args.shards:
         train = cut(r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}"))
@@ -1125,7 +1138,9 @@ def main():
     e.add_argument("--checkpoint", type=Path)
     e.add_argument("--head", required=True)
     e.add_argument("--data", default="data/eagle")
-    e.add_argument("--sets", nargs="+", default=["generated", "sharegpt"])
+    e.add_argument("--sets", nargs="+", default=["generated", "sharegpt"],
+                   help="held-out sets: eval shards under --data, 'answers' (see --answers), else the head's heldout-SET.json")
+    e.add_argument("--answers", help="set 'answers': the greedy answers in this make_data folder's heldout/ (all turns)")
     e.add_argument("--records", type=int, default=20)
     e.add_argument("--threads", type=int)
     e.add_argument("--acceptance_set", default="generated",

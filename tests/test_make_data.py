@@ -1,6 +1,7 @@
 """scripts/make_data.py: the batched engine answers as Session.generate does, its files round-trip, runs resume."""
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -293,7 +294,7 @@ def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
         assert torch.equal(ours[key], theirs[key]), key
 
 
-def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint):
+def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint, monkeypatch):
     """--heldout answers the first (never trained on) conversations into OUT/heldout/, which training reads as
     its evaluation set and load_answers(OUT) leaves out."""
     ckpt_dir = tiny_checkpoint_with_tokenizer(tmp_path, default_checkpoint)
@@ -304,6 +305,21 @@ def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint):
     manifest = json.loads((out / "heldout" / "sharegpt-c000000-t0.json").read_text())
     assert manifest["conversations"] == [0, 2] and load_answers(out) == []
     assert {r["conversation"] for r in load_answers(out / "heldout")} <= {0, 1}
+    # train_eagle eval --answers: a head's held-out accuracy and acceptance model measured on these answers
+    from eagle_head import EagleHead
+    from scripts import train_eagle
+
+    target = Transformer.from_checkpoint(ckpt_dir / "model.pth")
+    head_dir = tmp_path / "head"
+    EagleHead.for_target(target.config).save(head_dir)
+    monkeypatch.setattr(sys, "argv", ["train_eagle.py", "eval", "--checkpoint", str(ckpt_dir / "model.pth"),
+                                      "--head", str(head_dir), "--sets", "answers", "--answers", str(out),
+                                      "--acceptance_set", "answers", "--records", "4"])
+    train_eagle.main()
+    expected = train_eagle.answer_sequences(out / "heldout", make_data.weights_hash(target), 1024, temperature=0.0)
+    assert json.loads((head_dir / "heldout-answers.json").read_text()) == expected[:4] != []
+    acceptance = json.loads((head_dir / "acceptance.json").read_text())
+    assert acceptance["set"] == "heldout-answers.json" and acceptance["nodes"][0] > 0
 
 
 def test_a_looping_answer_ends_as_a_loop():
