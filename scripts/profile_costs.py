@@ -261,14 +261,19 @@ def median_ms(times: list) -> float:
 def paused(*pids: Optional[int]):
     """Processes `pids` (background jobs, e.g. the data engine) stopped with SIGSTOP for the block, so that timings
     taken in it run alone; None or no pid: nothing."""
-    pids = [pid for pid in pids if pid]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    stopped = []
+    for pid in filter(None, pids):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        except ProcessLookupError:  # the job has ended (or was restarted): nothing to stop
+            pass
     try:
         yield
     finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullcontext) -> dict:
