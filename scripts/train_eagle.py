@@ -626,17 +626,18 @@ def cmd_eval(args):
     head_dir = Path(args.head)
     results, sequences_of = {}, {}
     for name in args.sets:
-        records = [] if name == "answers" else load_records(Path(args.data), f"eval-{name}")[: args.records]
         if name == "answers" and args.answers:  # the target's greedy answers to the held-out conversations
             from scripts.make_data import weights_hash
             sequences = answer_sequences(Path(args.answers) / "heldout", weights_hash(target), 1024,
                                          temperature=0.0)[: args.records]
-            (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
-        elif records:
-            sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records]
-            (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
         else:
+            records = load_records(Path(args.data), f"eval-{name}")[: args.records]
+            sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records] \
+                if records else None
+        if sequences is None:  # neither: the set shipped beside the head
             sequences = json.loads((head_dir / f"heldout-{name}.json").read_text())[: args.records]
+        else:
+            (head_dir / f"heldout-{name}.json").write_text(json.dumps(sequences))
         sequences_of[name] = sequences
         results[name] = heldout_accuracy(target, head, sequences)
         print(name, json.dumps(results[name]), file=sys.stderr)
@@ -774,7 +775,7 @@ def target_pass(target: Transformer, head, batch: dict) -> dict:
             if features is None:
                 features = torch.zeros(B, T, f.shape[-1], dtype=f.dtype, device=device)
             features[b, start:end] = f[0]
-            top[b, start + at] = logits[0].max(-1).indices  # argmax: the same, 5x slower over 49k columns
+            top[b, start + at] = logits[0].max(-1).indices  # = argmax, which ran several times slower here
             probs[b, start + at] = (logits[0] if vocab is None else logits[0].index_select(-1, vocab)).float().softmax(-1)
     finally:
         target.feature_layers = None
@@ -913,9 +914,15 @@ def answer_sequences(folder: Path, target_hash: Optional[str], pack_len: int, ke
     from scripts.make_data import load_answers
 
     records = [r for r in load_answers(folder, target_hash) if temperature is None or r["temperature"] == temperature]
-    rows = [{"tokens": tokens[:pack_len], "loss_mask": mask[:pack_len]}
-            for tokens, mask in conversation_sequences(records, keep_loops)]
-    return [s for s in rows if any(s["loss_mask"][1:])]
+    return cut_sequences(({"tokens": tokens, "loss_mask": mask} for tokens, mask in conversation_sequences(records, keep_loops)),
+                         pack_len)
+
+
+def cut_sequences(rows, pack_len: int) -> list:
+    """Sequences ({"tokens", "loss_mask"}, lists or tensors) as lists cut to pack_len, those with an answer token
+    after their first token only (a draft is scored from the second position on)."""
+    cut = [{key: torch.as_tensor(r[key][:pack_len]).tolist() for key in ("tokens", "loss_mask")} for r in rows]
+    return [s for s in cut if any(s["loss_mask"][1:])]
 
 
 def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
@@ -925,19 +932,16 @@ def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
     --answers, the target's own answers scripts/make_data.py stored there (prompt + answer, loss on the
     answer; held out: its heldout/ folder, answers to the held-out conversations), refused if made by other
     weights than target_hash's. Plus the held-out sets of --eval_json."""
-    def cut(records):
-        rows = [{"tokens": r["tokens"][: args.pack_len].tolist(), "loss_mask": r["loss_mask"][: args.pack_len].tolist()}
-                for r in records]
-        return [s for s in rows if any(s["loss_mask"][1:])]
-
     if args.answers:
         keep_loops = getattr(args, "keep_loops", False)
         train = answer_sequences(Path(args.answers), target_hash, args.pack_len, keep_loops)
         held = answer_sequences(Path(args.answers) / "heldout", target_hash, args.pack_len, keep_loops)
         evals = {"answers": held[: args.eval_records]} if held else {}
     elif args.shards:
-        train = cut(r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}"))
-        evals = {name: cut(load_records(Path(args.shards), f"eval-{name}"))[: args.eval_records] for name in args.train_sets}
+        train = cut_sequences((r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}")),
+                              args.pack_len)
+        evals = {name: cut_sequences(load_records(Path(args.shards), f"eval-{name}"), args.pack_len)[: args.eval_records]
+                 for name in args.train_sets}
     else:
         tokenizer = Tokenizer.load(args.checkpoint.parent)
         convs = list(sharegpt_conversations(HELD_OUT + args.conversations))
