@@ -496,6 +496,7 @@ def cmd_train(args):
         torch.distributed.destroy_process_group()
 
 
+@torch.no_grad()
 def heldout_records(target: Transformer, sequences: list) -> list:
     """Held-out sequences ({"tokens", "loss_mask"} lists) as records, with features recomputed by one
     plain forward of the target per sequence (as at inference)."""

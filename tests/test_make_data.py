@@ -320,6 +320,10 @@ def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint, mo
     assert json.loads((head_dir / "heldout-answers.json").read_text()) == expected[:4] != []
     acceptance = json.loads((head_dir / "acceptance.json").read_text())
     assert acceptance["set"] == "heldout-answers.json" and acceptance["nodes"][0] > 0
+    # the features it measures with hold no autograd graph (one held the whole forward's activations per sequence:
+    # ~1 GB per 1,024 tokens of the default model, which ran out of memory on 20 sequences)
+    with torch.enable_grad():  # as in the script (the tests' conftest turns gradients off)
+        assert not train_eagle.heldout_records(target, expected[:1])[0]["features"].requires_grad
 
 
 def test_a_looping_answer_ends_as_a_loop():
