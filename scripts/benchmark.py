@@ -496,20 +496,22 @@ def predicted_against_measured(group: dict, methods: list, targets: dict, runs: 
     """Per compiled static-tree EAGLE method of a summarize() group (runs: the group's): tau and speedup
     over vanilla of its precision as --tree auto predicts them (generate.cycle_models, tree.predict: this
     machine's cost profile and the head's acceptance model), beside the measured tau and median per-prompt
-    speedup over that vanilla. Greedy only: the acceptance model is the greedy one."""
-    out = {}
+    speedup over that vanilla. Greedy, or temperature 1 with the acceptance model measured there
+    (generate.acceptance_p) and the tree the method samples with."""
+    out, greedy = {}, group["temperature"] == 0
     for m in methods:
-        twin = f"vanilla-{m.dtype}-{mode_name(m)}"
-        if m.kind != "eagle" or not m.compiled or m.tree.startswith("dynamic") or twin not in {x.name for x in methods}:
+        twin, tree = f"vanilla-{m.dtype}-{mode_name(m)}", m.tree if greedy else m.sampling_tree or m.tree
+        if m.kind != "eagle" or not m.compiled or tree.startswith("dynamic") or twin not in {x.name for x in methods}:
             continue
         costs, acceptance, _ = generate.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
         if costs is None:
             continue
-        tau, speedup = predict(m.tree, acceptance["p"], costs, acceptance.get("lookup", {}).get("joints"))
+        tau, speedup = predict(tree, generate.acceptance_p(acceptance, greedy), costs,
+                               acceptance.get("lookup", {}).get("joints") if greedy else None)
         base = {prompt_key(r): r["tokens_per_s"] for r in runs if r["method"] == twin}
         mine = [r for r in runs if r["method"] == m.name]
         ratios = [r["tokens_per_s"] / base[prompt_key(r)] for r in mine if base.get(prompt_key(r))]
-        out[m.name] = {"tree": m.tree, "over": twin, "predicted_tau": tau,
+        out[m.name] = {"tree": tree, "over": twin, "predicted_tau": tau,
                        "measured_tau": group["methods"][m.name]["tau"],
                        "predicted_speedup": speedup, "measured_speedup": float(np.median(ratios)) if ratios else None}
     return out
@@ -1078,8 +1080,8 @@ def run_benchmark(args, argv):
     groups = summarize(runs, methods, args.baseline)
     for g in groups:
         group_runs = [r for r in runs if (r["dataset"], r["temperature"]) == (g["dataset"], g["temperature"])]
-        greedy = g["temperature"] == 0
-        g["predicted"] = predicted_against_measured(g, methods, targets, group_runs, device) if greedy else {}
+        predicted = g["temperature"] in (0, 1)  # where an acceptance model was measured
+        g["predicted"] = predicted_against_measured(g, methods, targets, group_runs, device) if predicted else {}
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
     result = {
         "metadata": {

@@ -304,9 +304,15 @@ def read_chunk(manifest_path: Path, target_hash: Optional[str] = None) -> list:
     return records
 
 
-def load_answers(data_dir: Path, target_hash: Optional[str] = None) -> list:
-    """Every record of every chunk under data_dir (see read_chunk)."""
-    return [r for path in sorted(Path(data_dir).glob("sharegpt-*.json")) for r in read_chunk(path, target_hash)]
+def chunk_names(data_dir: Path) -> list:
+    """The chunks under data_dir (file names without .json), in order."""
+    return [path.stem for path in sorted(Path(data_dir).glob("sharegpt-*.json"))]
+
+
+def load_answers(data_dir: Path, target_hash: Optional[str] = None, names: Optional[list] = None) -> list:
+    """Every record of every chunk under data_dir (see read_chunk), or of the chunks `names` only."""
+    return [r for name in (chunk_names(data_dir) if names is None else names)
+            for r in read_chunk(Path(data_dir) / f"{name}.json", target_hash)]
 
 
 # ---------------------------------------------------------------- the command

@@ -37,6 +37,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -524,27 +525,67 @@ REPLAY_TREES = ("chain-1", "chain-2", "chain-3", "[[0], [1], [0, 0]]", "paper", 
                 "chain-2+lookup-3")  # tree.parse_tree specs
 
 
+def sampled_acceptance(p: Tensor, q: Tensor, k: int, samples: int = 16, support: int = 128) -> Tensor:
+    """[L, k]: the chance that, at a node whose target distribution is p [L, V] and whose children are k draws
+    without replacement from q [L, V], child r is the one generate.accept_sampling accepts (its rounds: accept x
+    with min(1, r(x) / q(x)), else r <- norm(max(r - q, 0)) and x leaves q). Exact for r = 0 (sum_x min(p, q));
+    the later ranks by `samples` Monte Carlo runs of the rounds over each row's `support` tokens of highest
+    p + q, the rest of the vocabulary lumped into one token (it holds little of either at the ranks that count)."""
+    out = torch.zeros(p.shape[0], k)
+    out[:, 0] = torch.minimum(p, q).sum(-1)
+    if k == 1:
+        return out
+    keep = (p + q).topk(min(support, p.shape[-1]), dim=-1).indices
+    r, qc = ((lambda t: torch.cat([t, (1 - t.sum(-1, keepdim=True)).clamp_min(0.0)], -1))(x.gather(1, keep))
+             for x in (p, q))
+    r, qc = r.repeat(samples, 1), qc.repeat(samples, 1)  # [samples * L, support + 1]
+    gumbel = -torch.log(-torch.log(torch.rand_like(qc).clamp_min(1e-20)))
+    children = (qc.log() + gumbel).topk(k, dim=-1).indices  # k draws without replacement from q, in draw order
+    waiting = torch.ones(qc.shape[0], dtype=torch.bool)
+    for rank in range(k):
+        x = children[:, rank: rank + 1]
+        qx = qc.gather(1, x)[:, 0]
+        hit = waiting & (qx > 0) & (torch.rand(qc.shape[0]) * qx < r.gather(1, x)[:, 0])
+        if rank:
+            out[:, rank] = hit.view(samples, -1).float().mean(0)
+        waiting &= ~hit
+        r = (r - qc).clamp_min(0.0)
+        r = r / r.sum(-1, keepdim=True).clamp_min(1e-30)
+        qc = qc.scatter(1, x, 0.0)
+        qc = qc / qc.sum(-1, keepdim=True).clamp_min(1e-30)
+    return out
+
+
 @torch.no_grad()
-def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int):
+def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int, sampled: bool = False):
     """For the draft chain that starts at each position j of a sequence and follows its tokens (the
     target's own greedy answer, so the path a tree would accept), the rank of the target's greedy token
     among the head's k best drafts at depth 1..depth (k: not among them). Depth d's input carries d - 1
     predicted features, as in chained_accuracy (same cache layout). Returns ranks [depth, L] and
-    counted [depth, L] (inside the sequence and an answer token)."""
+    counted [depth, L] (inside the sequence and an answer token); with `sampled` also [depth, L, k]: the chance
+    that the r-th of k children drawn from the head's q (temperature 1) is accepted by lossless sampling
+    verification against the target's p there (sampled_acceptance)."""
     embeds, feats, true_next, mask = head_inputs(target, head, record, "cpu")
     L = embeds.shape[0]
     head.max_seq_len = 0
     head.setup_caches(L * depth)
     slots, total = torch.arange(L), torch.arange(L * depth)
-    target_arg = target.output(true_next).argmax(-1)
+    target_logits = target.output(true_next)
+    target_arg = target_logits.argmax(-1)
+    target_p = target_logits.float().softmax(-1) if sampled else None
     pred = head(embeds[None], feats[None], slots, mask=causal_mask(slots, head.max_seq_len))[0]
-    ranks, counted = [], []
+    ranks, counted, accepts = [], [], []
     for s in range(depth):
         idx = (slots + s).clamp(max=L - 1)
-        top = head.token_ids(head.draft_logits(pred).topk(k, dim=-1).indices)  # [L, k]
+        logits = head.draft_logits(pred)
+        top = head.token_ids(logits.topk(k, dim=-1).indices)  # [L, k]
         hit = top == target_arg[idx, None]
         ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.tensor(k)))
         counted.append((slots + s < L) & mask[idx])
+        if sampled:
+            vocab_ids = head.token_ids(torch.arange(logits.shape[-1]))
+            q = torch.zeros_like(target_p).index_copy_(1, vocab_ids, logits.float().softmax(-1))
+            accepts.append(sampled_acceptance(target_p[idx], q, k))
         if s == depth - 1:
             break
         nxt = (slots + s + 1).clamp(max=L - 1)
@@ -554,7 +595,7 @@ def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int
         see |= (step_of[None, :] >= 1) & (step_of[None, :] <= s + 1) & (start_of[None, :] == start)
         pred = head(embeds[nxt][None], pred[None], (s + 1) * L + slots, mask=see, rope_pos=nxt)[0]
     head.attention.kv_cache = None
-    return torch.stack(ranks), torch.stack(counted)
+    return (torch.stack(ranks), torch.stack(counted)) + ((torch.stack(accepts),) if sampled else ())
 
 
 def acceptance_model(target: Transformer, head: EagleHead, records: list, depth: int = ACCEPTANCE_DEPTH,
@@ -566,20 +607,29 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
     (tree.ContextLookup on the text so far) matched b <= `lookup` (tree.context_gain; counted per position,
     a long match would count once per token it covers). Also a replay of EAGLE cycles over the sequences
     for a few trees (each cycle starts after the previous one's bonus token), against the tau the
-    positional model predicts: how much the per-token model misses by."""
+    positional model predicts: how much the per-token model misses by.
+    sampled.p[d-1][r]: the same at temperature 1 (children drawn from the head's q, lossless sampling
+    verification: draft_ranks' sampled chances), each node weighted by the chance that its chain's earlier
+    nodes were accepted; the chain follows the sequence's tokens (greedy answers: an approximation of sampled
+    text)."""
     from tree import ContextLookup, accepted_depth, parse_paths, predict, split_lookup
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
+    sampled_hits, sampled_nodes = torch.zeros(depth, k, dtype=torch.float64), torch.zeros(depth, dtype=torch.float64)
     joints = torch.zeros(lookup, depth + 1, lookup + 1, dtype=torch.long)
     replays = {name: [] for name in REPLAY_TREES}
     for r in records:
-        ranks, counted = draft_ranks(target, head, r, depth, k)
-        alive = torch.ones(ranks.shape[1], dtype=torch.bool)
+        ranks, counted, accepts = draft_ranks(target, head, r, depth, k, sampled=True)
+        alive, reached = torch.ones(ranks.shape[1], dtype=torch.bool), torch.ones(ranks.shape[1], dtype=torch.float64)
         for s in range(depth):
             here = alive & counted[s]
             nodes[s] += here.sum()
             hits[s] += torch.bincount(ranks[s][here], minlength=k + 1)[:k]
             alive = here & (ranks[s] < k)
+            reached = reached * counted[s]
+            sampled_nodes[s] += reached.sum()
+            sampled_hits[s] += (reached[:, None] * accepts[s]).sum(0)
+            reached = reached * accepts[s].sum(-1)
         tokens, context, matched, chain_len = r["tokens"].tolist(), ContextLookup(), {}, {}
         for j in counted[0].nonzero()[:, 0].tolist():  # root t_{j+1}; the drafts guess t_{j+2}, ...
             guess = context.propose(tokens[: j + 2], lookup)
@@ -602,9 +652,15 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
                 replays[name].append(accepted + 1)
                 j += accepted + 1
     p = (hits.double() / nodes.clamp(min=1)[:, None].double()).tolist()
+    sampled = (sampled_hits / sampled_nodes.clamp(min=1e-9)[:, None]).tolist()
     replay = {name: {"cycles": len(t), "tau": round(sum(t) / max(1, len(t)), 4),
                      "positional_tau": round(predict(name, p, None, joints.tolist())[0], 4)} for name, t in replays.items()}
     return {"p": [[round(v, 5) for v in row] for row in p], "nodes": nodes.tolist(), "replay": replay,
+            "sampled": {"what": "p[d-1][r] at temperature 1: the chance that a node's r-th child drawn from the "
+                                "head's q is the one lossless sampling verification accepts, given its parent "
+                                "path accepted; nodes[d-1]: the chance-weighted nodes",
+                        "temperature": 1.0, "p": [[round(v, 5) for v in row] for row in sampled],
+                        "nodes": [round(v, 1) for v in sampled_nodes.tolist()]},
             "lookup": {"what": "joints[n-1][a][b]: cycle starts of a chain-1+lookup-n walk over the held-out answers "
                                "where the head's chain accepted a drafts and the context proposal (tree.ContextLookup) "
                                "matched b tokens", "joints": joints.tolist()}}
@@ -908,13 +964,13 @@ def conversation_sequences(records: list, loops: bool = False) -> Iterator[tuple
 
 
 def answer_sequences(folder: Path, target_hash: Optional[str], pack_len: int, keep_loops: bool = False,
-                     temperature: Optional[float] = None) -> list:
+                     temperature: Optional[float] = None, names: Optional[list] = None) -> list:
     """The training sequences ({"tokens", "loss_mask"} lists, cut to pack_len, each with an answer token after its
-    first) of the answers scripts/make_data.py stored in `folder` (see conversation_sequences); only those sampled
-    at `temperature` if given."""
+    first) of the answers scripts/make_data.py stored in `folder` (see conversation_sequences), of its chunks
+    `names` if given; only those sampled at `temperature` if given."""
     from scripts.make_data import load_answers
 
-    records = [r for r in load_answers(folder, target_hash) if temperature is None or r["temperature"] == temperature]
+    records = [r for r in load_answers(folder, target_hash, names) if temperature is None or r["temperature"] == temperature]
     return cut_sequences(({"tokens": tokens, "loss_mask": mask} for tokens, mask in conversation_sequences(records, keep_loops)),
                          pack_len)
 
@@ -926,16 +982,16 @@ def cut_sequences(rows, pack_len: int) -> list:
     return [s for s in cut if any(s["loss_mask"][1:])]
 
 
-def online_sequences(args, target_hash: Optional[str] = None) -> tuple:
+def online_sequences(args, target_hash: Optional[str] = None, chunks: Optional[list] = None) -> tuple:
     """Training and held-out sequences ({"tokens", "loss_mask"} lists, cut to --pack_len): ShareGPT
     conversations rendered with the chat template, held out: the first ones; or with --shards, the token
     ids of those `data` shards (train-SET, held out: eval-SET; their features are not read); or with
     --answers, the target's own answers scripts/make_data.py stored there (prompt + answer, loss on the
     answer; held out: its heldout/ folder, answers to the held-out conversations), refused if made by other
-    weights than target_hash's. Plus the held-out sets of --eval_json."""
+    weights than target_hash's (of its chunks `chunks` only, if given). Plus the held-out sets of --eval_json."""
     if args.answers:
         keep_loops = getattr(args, "keep_loops", False)
-        train = answer_sequences(Path(args.answers), target_hash, args.pack_len, keep_loops)
+        train = answer_sequences(Path(args.answers), target_hash, args.pack_len, keep_loops, names=chunks)
         held = answer_sequences(Path(args.answers) / "heldout", target_hash, args.pack_len, keep_loops)
         evals = {"answers": held[: args.eval_records]} if held else {}
     elif args.shards:
@@ -996,15 +1052,17 @@ def cmd_online(args):
     torch.manual_seed(args.seed)
     args.checkpoint = args.checkpoint or ensure_default_model()
     target = Transformer.from_checkpoint(args.checkpoint, device=device).requires_grad_(False)
-    if args.answers:
-        from scripts.make_data import weights_hash
-    train, evals = online_sequences(args, weights_hash(target) if args.answers else None)
-    if not train:
-        sys.exit("error: no training sequences with answer tokens")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "checkpoint.pt"
     ckpt = torch.load(ckpt_path, weights_only=False, map_location=device) if ckpt_path.exists() else None
+    chunks = None
+    if args.answers:  # the chunks there at the first start: a resumed run keeps its data while the folder grows
+        from scripts.make_data import chunk_names, weights_hash
+        chunks = ckpt["state"].get("chunks") if ckpt else chunk_names(Path(args.answers))
+    train, evals = online_sequences(args, weights_hash(target) if args.answers else None, chunks)
+    if not train:
+        sys.exit("error: no training sequences with answer tokens")
     head = online_head(args, target, train, out, ckpt).to(device)
     depth = args.ttt_steps
     longest = max([args.pack_len] + [len(s["tokens"]) for seqs in evals.values() for s in seqs])
@@ -1013,10 +1071,10 @@ def cmd_online(args):
     rows_per_epoch = len(pack_rows([len(s["tokens"]) for s in train], args.pack_len))
     total_steps = args.max_steps or math.ceil(rows_per_epoch / args.batch_size) * args.epochs
     state = {"step": 0, "epoch": 0, "offset": 0, "tokens_seen": 0, "answer_tokens_seen": 0, "wall_s": 0.0,
-             "target_s": 0.0, "curve": []}
+             "target_s": 0.0, "curve": [], "chunks": chunks}
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
-        state = ckpt["state"]
+        state = {"chunks": chunks, **ckpt["state"]}
         torch.set_rng_state(ckpt["rng"])
         print(f"resumed from step {state['step']}", file=sys.stderr)
 
@@ -1040,14 +1098,16 @@ def cmd_online(args):
         run_eval()  # the starting point: --init's head (or a fresh one) on the same held-out sets
     bar = tqdm(total=total_steps, initial=state["step"], desc=f"{type(head).__name__} ttt-{depth}")
     head.train()
-    while state["step"] < total_steps and state["step"] != args.stop_after:
+    interrupted = []  # Ctrl-C / kill -INT: stop after the step under way, save, and (--save_head) export the head
+    signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    while state["step"] < total_steps and state["step"] != args.stop_after and not interrupted:
         order = list(range(len(train)))
         random.Random(args.seed + state["epoch"]).shuffle(order)
         rows = [[order[i] for i in row] for row in pack_rows([len(train[i]["tokens"]) for i in order], args.pack_len)]
         random.Random(args.seed + state["epoch"]).shuffle(rows)
         batches = [rows[i: i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
         for batch_rows in batches[state["offset"]:]:
-            if state["step"] >= total_steps or state["step"] == args.stop_after:
+            if state["step"] >= total_steps or state["step"] == args.stop_after or interrupted:
                 break
             t0 = time.perf_counter()
             for group in optimizer.param_groups:
@@ -1069,16 +1129,18 @@ def cmd_online(args):
         else:
             state["epoch"] += 1
             state["offset"] = 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     bar.close()
     save()
     speed = {"tokens_per_s": round(state["tokens_seen"] / max(state["wall_s"], 1e-9), 1),
              "answer_tokens_per_s": round(state["answer_tokens_seen"] / max(state["wall_s"], 1e-9), 1),
              "target_share": round(state["target_s"] / max(state["wall_s"], 1e-9), 3)}
     print(json.dumps({"bf16": bf16, **speed}), file=sys.stderr)
-    if args.save_head and state["step"] >= total_steps:
+    if args.save_head:  # finished, or where this run stopped (--stop_after, Ctrl-C): a head to try and commit
         head.save(args.save_head)
         record = {"command": "python " + " ".join(sys.argv), "head": args.head if not args.init else type(head).__name__,
                   "ttt_steps": depth, "bf16": bf16, "train_sequences": len(train), "steps": state["step"],
+                  "of_steps": total_steps, "finished": state["step"] >= total_steps, "chunks": chunks and len(chunks),
                   "tokens_seen": state["tokens_seen"], "answer_tokens_seen": state["answer_tokens_seen"],
                   "wall_s": round(state["wall_s"], 1), **speed, "args": vars(args), "curve": state["curve"],
                   "final": state["curve"][-1] if state["curve"] else None}

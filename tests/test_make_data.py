@@ -347,3 +347,34 @@ def test_a_looping_answer_ends_as_a_loop():
     engine = Engine(model, 2, 400, cut_loops=True)
     engine.run(lambda c: queue.pop(0) if queue else None, lambda r, a, why: out.__setitem__("r", (list(a), why)))
     assert out["r"][1] == "loop" and len(out["r"][0]) < 300
+
+
+def test_a_resumed_training_run_keeps_its_chunks_and_exports_its_head(tmp_path, monkeypatch):
+    """train_eagle online --answers reads the chunks there at its first start and keeps to them when resumed,
+    while the data job adds more; where it stops (here --stop_after) --save_head exports the head so far,
+    its record saying how far it got."""
+    from scripts import train_eagle
+
+    target = tiny_target()
+    ckpt = write_checkpoint(tmp_path / "tiny", target, hf_config(target.config))
+    manifest = {"target": {"weights_sha256": make_data.weights_hash(target)}, "sampling": {"temperature": 0.0}}
+    data, run, head = tmp_path / "data", tmp_path / "run", tmp_path / "head"
+    write_chunk(data, "sharegpt-c000005-t0", conversations_with_records(), manifest)
+
+    def online(*extra):
+        monkeypatch.setattr(sys, "argv", ["train_eagle.py", "online", "--checkpoint", str(ckpt), "--answers", str(data),
+                                          "--out", str(run), "--save_head", str(head), "--head", "eagle", "--draft_vocab", "0",
+                                          "--pack_len", "16", "--batch_size", "1", "--ttt_steps", "1", "--max_steps", "4",
+                                          "--eval_every", "10", "--save_every", "1", "--no-bf16", "--threads", "1", *extra])
+        with torch.enable_grad():
+            train_eagle.main()
+        return json.loads((head / "training_record.json").read_text())
+
+    first = online("--stop_after", "1")
+    assert (first["steps"], first["of_steps"], first["finished"], first["chunks"]) == (1, 4, False, 1)
+    write_chunk(data, "sharegpt-c000007-t0", conversations_with_records(), manifest)  # the data job wrote more
+    assert len(load_answers(data)) == 2 * len(load_answers(data, names=["sharegpt-c000005-t0"]))
+    second = online()
+    assert (second["steps"], second["finished"], second["chunks"]) == (4, True, 1)
+    assert second["train_sequences"] == first["train_sequences"]
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["state"]["chunks"] == ["sharegpt-c000005-t0"]

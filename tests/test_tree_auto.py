@@ -201,9 +201,12 @@ def test_shipped_acceptance_model_is_well_formed():
         model = json.loads(open(path).read())
     except FileNotFoundError:
         pytest.skip("no acceptance.json beside the shipped head")
+    for p, nodes in ((model["p"], model["nodes"]), (model["sampled"]["p"], model["sampled"]["nodes"])):
+        assert len(p) >= 4 and all(0 <= v <= 1 for row in p for v in row) and all(sum(row) <= 1 + 1e-9 for row in p)
+        assert min(nodes) >= 500
+    # sampling accepts a head's first draft less often than its greedy argmax matches (1 - TV(p, q) against p(argmax))
+    assert model["sampled"]["p"][0][0] < model["p"][0][0]
     p = model["p"]
-    assert len(p) >= 4 and all(0 <= v <= 1 for row in p for v in row) and all(sum(row) <= 1 + 1e-9 for row in p)
-    assert min(model["nodes"]) >= 500
     paths, tau, _, _ = auto_tree(p, costs(10.0, draft=0.5, update=1.0), max_nodes=32)
     assert build_tree(paths).num_nodes == 33 and tau > 2
 
@@ -456,3 +459,46 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
         generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
         generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
     assert "calibrating" not in capsys.readouterr().err
+
+
+def test_sampled_acceptance_matches_the_sampling_verifier():
+    """train_eagle.sampled_acceptance (acceptance.json's temperature-1 model) gives each child's chance of being
+    the one generate.accept_sampling accepts, measured by running that verifier on k children drawn without
+    replacement from q; exact for the first child, close with part of the vocabulary lumped into one token."""
+    import torch
+
+    from generate import Sampling, accept_sampling
+    from scripts.train_eagle import sampled_acceptance
+
+    torch.manual_seed(0)
+    V, k, n = 12, 3, 3000
+    p = torch.softmax(torch.randn(2, V) * 2, -1)
+    q = torch.softmax(torch.randn(2, V) * 2 + torch.log(p), -1)
+    model = sampled_acceptance(p, q, k, samples=n, support=6)  # half the vocabulary lumped together
+    exact = sampled_acceptance(p, q, k, samples=n, support=V)
+    for row in range(2):
+        counts = torch.zeros(k + 1)
+        probs = torch.zeros(k + 1, V)
+        probs[0] = q[row]
+        for _ in range(n):
+            children = torch.multinomial(q[row], k).tolist()
+            path, _ = accept_sampling([0] + children, p[row].log().repeat(k + 1, 1), [[1, 2, 3], [], [], []],
+                                      Sampling(1.0), probs)
+            counts[path[1] - 1 if len(path) > 1 else k] += 1
+        measured = counts[:k] / n
+        assert exact[row, 0] == pytest.approx(torch.minimum(p[row], q[row]).sum())
+        assert exact[row].tolist() == pytest.approx(measured.tolist(), abs=0.04)
+        assert model[row].tolist() == pytest.approx(measured.tolist(), abs=0.08)
+
+
+def test_sampling_scores_trees_with_the_sampled_acceptance_model():
+    """--tree auto when sampling scores trees with acceptance.json's temperature-1 model where it has one
+    (a head evaluated before it: the greedy model)."""
+    import generate
+
+    greedy, sampled = [[0.9, 0.05]] * 3, [[0.5, 0.2]] * 3
+    assert generate.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=False) == sampled
+    assert generate.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=True) == greedy
+    assert generate.acceptance_p({"p": greedy}, greedy=False) == greedy
+    steep = costs(lambda n: 10.0 + 2 * (n - 1), draft=0.5, update=1.0)  # each verified row costs a fifth of a step
+    assert (auto_tree(greedy, steep).spec, auto_tree(sampled, steep).spec) == ("chain-3", "chain-1")
