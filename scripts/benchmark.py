@@ -843,6 +843,9 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="also compile the prefills (dynamic shapes)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", type=Path, help="output folder (default: results/<date>-<machine>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out that was stopped: the prompts it finished (OUT/runs.partial.jsonl) "
+                   "are kept, the others run now; same command and machine (a prompt's methods always run together)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny random model and head, 2 prompts, 16 tokens, eager, no peers")
     args = p.parse_args(argv)
@@ -866,6 +869,8 @@ def parse_args(argv=None):
         raise generate.UsageError("--temperatures must be >= 0 (0 = greedy)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise generate.UsageError("--device cuda asked for, but this machine has no CUDA device")
+    if args.resume and not args.out:
+        raise generate.UsageError("--resume needs the --out folder of the run to continue")
     return args
 
 
@@ -887,6 +892,31 @@ def timed_run(runner, prompt: list, max_new_tokens: int, sampling, stop_ids, dev
                  "tokens_per_s": len(out) / r["time_s"] if r["time_s"] else 0.0, **r,
                  "output_sha1": hashlib.sha1(json.dumps(out).encode()).hexdigest()[:16],
                  **peak_memory_mb(device, rss_before)}
+
+
+PARTIAL = "runs.partial.jsonl"  # a run in progress: its command and machine, then one line per finished prompt
+
+
+def finished_prompts(out: Path, fingerprint: dict, resume: bool) -> dict:
+    """The prompts a stopped run finished ({key: {"key", "runs", "answer"}}) when resuming, after checking that
+    it was the same command on the same machine; otherwise a fresh OUT/runs.partial.jsonl, started."""
+    path = out / PARTIAL
+    if not resume or not path.is_file():
+        path.write_text(json.dumps(fingerprint) + "\n")
+        return {}
+    first, *lines = path.read_text().splitlines()
+    if json.loads(first) != json.loads(json.dumps(fingerprint)):
+        raise generate.UsageError(f"{path} is another command's or another machine's run; give the same command, "
+                                  "or a new --out without --resume")
+    done = {}
+    for line in lines:
+        try:
+            prompt = json.loads(line)
+        except json.JSONDecodeError:  # the line a kill cut short: that prompt runs again
+            continue
+        done[tuple(prompt["key"])] = prompt
+    path.write_text("\n".join([first] + [json.dumps(p) for p in done.values()]) + "\n")
+    return done
 
 
 def greedy_match(out: list, reference: list) -> dict:
@@ -923,6 +953,9 @@ def run_benchmark(args, argv):
     info = machine_info(device)
     out = args.out or default_out(info, args.quick)
     out.mkdir(parents=True, exist_ok=True)
+    argv_list = [a for a in (sys.argv[1:] if argv is None else list(argv)) if a != "--resume"]
+    fingerprint = {"command": argv_list, "machine": {k: info[k] for k in ("processor", "isa", "cpu_affinity", "torch")}}
+    done = finished_prompts(out, fingerprint, args.resume)  # what a stopped run finished (--resume)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from tokenizer import ensure_default_model
@@ -1057,6 +1090,12 @@ def run_benchmark(args, argv):
             for item in bar:
                 answers = []
                 for turn in range(len(item.turns)):
+                    key = (t, dataset, item.question_id, turn + 1)
+                    if key in done:  # finished before the stop
+                        runs += done[key]["runs"]
+                        answers.append(done[key]["answer"])
+                        counter += 1
+                        continue
                     prompt = render(tokenizer, item.turns[: turn + 1], answers)
                     order = methods[counter % len(methods):] + methods[: counter % len(methods)]
                     outputs = {}
@@ -1076,6 +1115,9 @@ def run_benchmark(args, argv):
                             r["match_reference"] = twin
                     answers.append(tokenizer.decode([x for x in outputs[reference.name] if x not in stop_ids]))
                     counter += 1
+                    with open(out / PARTIAL, "a") as f:
+                        f.write(json.dumps(json_safe({"key": key, "runs": runs[-len(order):], "answer": answers[-1]}))
+                                + "\n")
 
     groups = summarize(runs, methods, args.baseline)
     for g in groups:
@@ -1096,6 +1138,7 @@ def run_benchmark(args, argv):
             "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
             "methods": [{**asdict(m), "head": m.head and repo_relative(m.head)} for m in methods],
             "setup": setup, "wall_s": time.perf_counter() - started,
+            "resumed_prompts": len(done),  # finished by an earlier process of this run (--resume)
             "heads": [head_record(d, head) for d, head in {d: h for (d, _), h in heads.items()}.items()],
         },
         "summary": groups,
@@ -1109,6 +1152,7 @@ def run_benchmark(args, argv):
         ',\n"summary": ' + json.dumps(result["summary"], indent=1, allow_nan=False) +
         ',\n"runs": [\n' + ",\n".join(json.dumps(r, allow_nan=False) for r in result["runs"]) + "\n]}\n")
     (out / "benchmark.md").write_text(markdown(result, plot_names))
+    (out / PARTIAL).unlink()  # benchmark.json holds every run now
     print(f"wrote benchmark.json, benchmark.md and {len(plot_names)} plots to {out}", file=sys.stderr)
     for g in groups:
         print(f"{g['dataset']} T={g['temperature']:g}, baseline {g['baseline']}:", file=sys.stderr)

@@ -390,3 +390,42 @@ def test_benchmark_frozen_methods_compile_frozen_graphs(tmp_path):
         torch.set_num_threads(threads)
         torch._dynamo.reset()
     assert sum("_frozen_param" in c for c in code) >= 1 and sum("_frozen_param" not in c for c in code) >= 1
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """--resume keeps the prompts a stopped run finished (each prompt's methods ran together) and runs the rest;
+    the whole run's results are those of one straight run's kind; another command's run is refused."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "math", "turns": [f"What is {i}+2?", "And?"]})
+                                   for i in range(2)))
+    argv = ["--quick", "--questions", str(questions), "--modes", "eager", "--dtypes", "fp32", "--methods",
+            "vanilla-fp32-eager", "eagle-chain-5-fp32-eager", "--temperatures", "0", "--max_new_tokens", "4",
+            "--threads", "1", "--out", str(tmp_path / "run")]
+    real_run, calls = benchmark.timed_run, []
+
+    def stops_midway(*a, **k):  # two prompts (turns) done with both methods, the third stopped midway
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real_run(*a, **k)
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(benchmark, "timed_run", stops_midway)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            benchmark.main(argv)
+        partial = (tmp_path / "run" / benchmark.PARTIAL).read_text().splitlines()
+        assert len(partial) == 1 + 2  # the command and machine, then the two finished prompts
+        first_two = [r for line in partial[1:] for r in json.loads(line)["runs"]]
+        with pytest.raises(generate.UsageError, match="another command"):
+            benchmark.main(argv[:-2] + ["--max_new_tokens", "5", "--out", str(tmp_path / "run"), "--resume"])
+        calls.clear()
+        result = benchmark.main(argv + ["--resume"])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 * (4 - 2)  # the two prompts left, two methods each
+    assert len(result["runs"]) == 2 * 4  # the first two prompts' runs as the stopped run measured them
+    assert [{k: r[k] for k in first_two[0]} for r in result["runs"][:4]] == first_two
+    assert [(r["question_id"], r["turn"]) for r in result["runs"][::2]] == [(str(i), t) for i in range(2) for t in (1, 2)]
+    assert result["metadata"]["resumed_prompts"] == 2 and not (tmp_path / "run" / benchmark.PARTIAL).exists()
+    assert all(r["match_vanilla"] for r in result["runs"] if r["method"].startswith("eagle"))
