@@ -518,6 +518,7 @@ def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, step
 
 
 # ---------------------------------------------------------------- acceptance model (for tree.auto_tree)
+ANSWER_SETS = {"answers": 0.0, "answers-t1": 1.0}  # eval's sets of make_data answers: their temperature
 ACCEPTANCE_DEPTH = 8  # depths 1..8
 ACCEPTANCE_RANKS = 8  # sibling ranks 0..7
 LOOKUP_MAX = 8  # context branches of up to 8 nodes
@@ -554,6 +555,17 @@ def sampled_acceptance(p: Tensor, q: Tensor, k: int, samples: int = 16, support:
         qc = qc.scatter(1, x, 0.0)
         qc = qc / qc.sum(-1, keepdim=True).clamp_min(1e-30)
     return out
+
+
+def count_sampled(hits: Tensor, nodes: Tensor, counted: Tensor, accepts: Tensor):
+    """Adds one sequence's temperature-1 chances (draft_ranks' accepts [depth, L, k]) to hits [depth, k] and
+    nodes [depth], each node weighted by the chance that its chain's earlier nodes were accepted."""
+    reached = torch.ones(counted.shape[1], dtype=torch.float64)
+    for s in range(counted.shape[0]):
+        reached = reached * counted[s]
+        nodes[s] += reached.sum()
+        hits[s] += (reached[:, None] * accepts[s]).sum(0)
+        reached = reached * accepts[s].sum(-1)
 
 
 @torch.no_grad()
@@ -598,8 +610,8 @@ def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int
     return (torch.stack(ranks), torch.stack(counted)) + ((torch.stack(accepts),) if sampled else ())
 
 
-def acceptance_model(target: Transformer, head: EagleHead, records: list, depth: int = ACCEPTANCE_DEPTH,
-                     k: int = ACCEPTANCE_RANKS, lookup: int = LOOKUP_MAX) -> dict:
+def acceptance_model(target: Transformer, head: EagleHead, records: list, sampled_records: Optional[list] = None,
+                     depth: int = ACCEPTANCE_DEPTH, k: int = ACCEPTANCE_RANKS, lookup: int = LOOKUP_MAX) -> dict:
     """p[d-1][r] = P(target's greedy token == the head's rank-r draft at a node of depth d | the node's
     parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
     token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joints[n-1][a][b]: cycle
@@ -610,26 +622,27 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, depth:
     positional model predicts: how much the per-token model misses by.
     sampled.p[d-1][r]: the same at temperature 1 (children drawn from the head's q, lossless sampling
     verification: draft_ranks' sampled chances), each node weighted by the chance that its chain's earlier
-    nodes were accepted; the chain follows the sequence's tokens (greedy answers: an approximation of sampled
-    text)."""
+    nodes were accepted; the chain follows the sequence's tokens: those of sampled_records (the target's
+    temperature-1 answers: the text a sampled chain drafts on) if given, else of records (greedy text, easier)."""
     from tree import ContextLookup, accepted_depth, parse_paths, predict, split_lookup
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
     sampled_hits, sampled_nodes = torch.zeros(depth, k, dtype=torch.float64), torch.zeros(depth, dtype=torch.float64)
     joints = torch.zeros(lookup, depth + 1, lookup + 1, dtype=torch.long)
     replays = {name: [] for name in REPLAY_TREES}
+    for r in sampled_records or []:  # the temperature-1 model on text of its own
+        _, counted, accepts = draft_ranks(target, head, r, depth, k, sampled=True)
+        count_sampled(sampled_hits, sampled_nodes, counted, accepts)
     for r in records:
-        ranks, counted, accepts = draft_ranks(target, head, r, depth, k, sampled=True)
-        alive, reached = torch.ones(ranks.shape[1], dtype=torch.bool), torch.ones(ranks.shape[1], dtype=torch.float64)
+        ranks, counted, *accepts = draft_ranks(target, head, r, depth, k, sampled=sampled_records is None)
+        if accepts:
+            count_sampled(sampled_hits, sampled_nodes, counted, accepts[0])
+        alive = torch.ones(ranks.shape[1], dtype=torch.bool)
         for s in range(depth):
             here = alive & counted[s]
             nodes[s] += here.sum()
             hits[s] += torch.bincount(ranks[s][here], minlength=k + 1)[:k]
             alive = here & (ranks[s] < k)
-            reached = reached * counted[s]
-            sampled_nodes[s] += reached.sum()
-            sampled_hits[s] += (reached[:, None] * accepts[s]).sum(0)
-            reached = reached * accepts[s].sum(-1)
         tokens, context, matched, chain_len = r["tokens"].tolist(), ContextLookup(), {}, {}
         for j in counted[0].nonzero()[:, 0].tolist():  # root t_{j+1}; the drafts guess t_{j+2}, ...
             guess = context.propose(tokens[: j + 2], lookup)
@@ -683,10 +696,10 @@ def cmd_eval(args):
     head_dir = Path(args.head)
     results, sequences_of = {}, {}
     for name in args.sets:
-        if name == "answers" and args.answers:  # the target's greedy answers to the held-out conversations
+        if name in ANSWER_SETS and args.answers:  # the target's answers to the held-out conversations
             from scripts.make_data import weights_hash
             sequences = answer_sequences(Path(args.answers) / "heldout", weights_hash(target), 1024,
-                                         temperature=0.0)[: args.records]
+                                         temperature=ANSWER_SETS[name])[: args.records]
         else:
             records = load_records(Path(args.data), f"eval-{name}")[: args.records]
             sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in records] \
@@ -704,9 +717,11 @@ def cmd_eval(args):
     record_path.write_text(json.dumps(record, indent=1, default=str))
     if args.acceptance_set:
         start = time.perf_counter()
-        sequences = sequences_of.get(args.acceptance_set) or \
-            json.loads((head_dir / f"heldout-{args.acceptance_set}.json").read_text())[: args.records]
-        model = acceptance_model(target, head, heldout_records(target, sequences))
+        sequences, sampled = (sequences_of.get(name) or json.loads((head_dir / f"heldout-{name}.json").read_text())
+                              [: args.records] for name in (args.acceptance_set, args.sampled_set or args.acceptance_set))
+        model = acceptance_model(target, head, heldout_records(target, sequences),
+                                 heldout_records(target, sampled) if args.sampled_set else None)
+        model["sampled"]["set"] = f"heldout-{args.sampled_set or args.acceptance_set}.json"
         weights = next(f for f in (head_dir / "model.safetensors", head_dir / "pytorch_model.bin") if f.is_file())
         out = {"what": "p[d-1][r]: P(target greedy token == the head's rank-r draft at a node of depth d | "
                        "its parent path accepted); nodes[d-1]: nodes counted at depth d",
@@ -992,7 +1007,7 @@ def online_sequences(args, target_hash: Optional[str] = None, chunks: Optional[l
     if args.answers:
         keep_loops = getattr(args, "keep_loops", False)
         train = answer_sequences(Path(args.answers), target_hash, args.pack_len, keep_loops, names=chunks)
-        held = answer_sequences(Path(args.answers) / "heldout", target_hash, args.pack_len, keep_loops)
+        held = answer_sequences(Path(args.answers) / "heldout", target_hash, args.pack_len, keep_loops, temperature=0.0)
         evals = {"answers": held[: args.eval_records]} if held else {}
     elif args.shards:
         train = cut_sequences((r for name in args.train_sets for r in load_records(Path(args.shards), f"train-{name}")),
@@ -1206,12 +1221,16 @@ def main():
     e.add_argument("--head", required=True)
     e.add_argument("--data", default="data/eagle")
     e.add_argument("--sets", nargs="+", default=["generated", "sharegpt"],
-                   help="held-out sets: eval shards under --data, 'answers' (see --answers), else the head's heldout-SET.json")
-    e.add_argument("--answers", help="set 'answers': the greedy answers in this make_data folder's heldout/ (all turns)")
+                   help="held-out sets: eval shards under --data, 'answers' / 'answers-t1' (see --answers), else the "
+                   "head's heldout-SET.json")
+    e.add_argument("--answers", help="sets 'answers' / 'answers-t1': the greedy / temperature-1 answers in this make_data "
+                   "folder's heldout/ (all turns)")
     e.add_argument("--records", type=int, default=20)
     e.add_argument("--threads", type=int)
     e.add_argument("--acceptance_set", default="generated",
                    help="held-out set of the acceptance model (acceptance.json); '' to skip it")
+    e.add_argument("--sampled_set", help="held-out set of the acceptance model at temperature 1 (default: "
+                   "--acceptance_set's), e.g. answers-t1")
     e.add_argument("--acceptance_out", help="where the acceptance model goes (default: HEAD/acceptance.json)")
     o = sub.add_parser("online", help="train a head with online target features and training-time test")
     o.add_argument("--checkpoint", type=Path)

@@ -1,4 +1,5 @@
 """scripts/make_data.py: the batched engine answers as Session.generate does, its files round-trip, runs resume."""
+import argparse
 import json
 import shutil
 import sys
@@ -324,6 +325,22 @@ def test_heldout_answers_go_to_their_own_folder(tmp_path, default_checkpoint, mo
     # ~1 GB per 1,024 tokens of the default model, which ran out of memory on 20 sequences)
     with torch.enable_grad():  # as in the script (the tests' conftest turns gradients off)
         assert not train_eagle.heldout_records(target, expected[:1])[0]["features"].requires_grad
+    # the same conversations sampled at T=1 (--resample 1): set 'answers-t1', on which --sampled_set measures the
+    # temperature-1 acceptance model; training's held-out set stays the greedy answers
+    make_data.main(["--checkpoint", str(ckpt_dir / "model.pth"), "--out", str(out), "--conversations", "2",
+                    "--batch_size", "2", "--max_new_tokens", "4", "--max_len", "400", "--no-compile",
+                    "--dtype", "float32", "--heldout", "--resample", "1"])
+    sampled = train_eagle.answer_sequences(out / "heldout", make_data.weights_hash(target), 1024, temperature=1.0)
+    assert sampled and sampled != expected
+    monkeypatch.setattr(sys, "argv", ["train_eagle.py", "eval", "--checkpoint", str(ckpt_dir / "model.pth"),
+                                      "--head", str(head_dir), "--sets", "answers", "answers-t1", "--answers", str(out),
+                                      "--acceptance_set", "answers", "--sampled_set", "answers-t1", "--records", "4"])
+    train_eagle.main()
+    assert json.loads((head_dir / "heldout-answers-t1.json").read_text()) == sampled[:4]
+    acceptance = json.loads((head_dir / "acceptance.json").read_text())
+    assert acceptance["set"] == "heldout-answers.json" and acceptance["sampled"]["set"] == "heldout-answers-t1.json"
+    args = argparse.Namespace(answers=str(out), shards=None, pack_len=1024, eval_records=4, eval_json=[])
+    assert train_eagle.online_sequences(args, make_data.weights_hash(target))[1]["answers"] == expected[:4]
 
 
 def test_a_looping_answer_ends_as_a_loop():
