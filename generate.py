@@ -766,8 +766,7 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
 def acceptance_p(acceptance: dict, greedy: bool = True) -> list:
     """The acceptance model tree.auto_tree scores trees with: the greedy one, or when sampling the one measured
     at temperature 1 (acceptance.json's "sampled": drafts drawn from the head's q, lossless verification; lower
-    than greedy's: on v10's held-out answers 0.84 against 0.91 at depth 1), the greedy one for a head evaluated
-    before it existed (optimistic when sampling)."""
+    than greedy's), the greedy one for a head evaluated before it existed (optimistic when sampling)."""
     return acceptance["p"] if greedy else acceptance.get("sampled", {}).get("p", acceptance["p"])
 
 
