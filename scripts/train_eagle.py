@@ -717,10 +717,12 @@ def cmd_eval(args):
     record_path.write_text(json.dumps(record, indent=1, default=str))
     if args.acceptance_set:
         start = time.perf_counter()
-        sequences, sampled = (sequences_of.get(name) or json.loads((head_dir / f"heldout-{name}.json").read_text())
-                              [: args.records] for name in (args.acceptance_set, args.sampled_set or args.acceptance_set))
-        model = acceptance_model(target, head, heldout_records(target, sequences),
-                                 heldout_records(target, sampled) if args.sampled_set else None)
+        def held_out(name):  # a set measured above, else the one shipped beside the head
+            return sequences_of.get(name) or json.loads((head_dir / f"heldout-{name}.json").read_text())[: args.records]
+
+        sequences = held_out(args.acceptance_set)
+        sampled = heldout_records(target, held_out(args.sampled_set)) if args.sampled_set else None
+        model = acceptance_model(target, head, heldout_records(target, sequences), sampled)
         model["sampled"]["set"] = f"heldout-{args.sampled_set or args.acceptance_set}.json"
         weights = next(f for f in (head_dir / "model.safetensors", head_dir / "pytorch_model.bin") if f.is_file())
         out = {"what": "p[d-1][r]: P(target greedy token == the head's rank-r draft at a node of depth d | "
