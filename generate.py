@@ -176,6 +176,16 @@ class Steps:
                    if prefill_too else None)
 
 
+def without_global_state_guard(guards) -> list:
+    """Dynamo's guard_filter_fn: keep every guard of a compiled step but the global-state one. That guard holds
+    torch.get_num_threads() among grad mode, autocast and the default dtype, so each change of the thread count
+    (the ThreadGovernor's, under load) recompiled every step in the middle of a generation: tens of seconds a
+    step with frozen, autotuned graphs (a first run went 0.9 tokens/s, issue 29). A step's inductor kernels
+    follow the thread count at run time anyway when compiled for every core (see main). The rest of that state
+    is fixed for the steps: Session runs them under torch.no_grad(), never under autocast."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
 def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options) -> Callable:
     """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
     the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
@@ -184,6 +194,8 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options)
     as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
     would otherwise hand this step the graph a default compile of the same function made earlier in the process
     (as when the benchmark runs both)."""
+    if "mode" not in options:  # torch.compile takes a mode or options, not both (CUDA graphs: a static count)
+        options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
     if not inductor_config:
         return torch.compile(f, **options)
     tag = zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode())  # one code object per setting
@@ -272,8 +284,8 @@ class ThreadGovernor:
     every barrier of every step: a vanilla step ran 10x slower at 2 threads with one core busy than at 1
     (issue 29), and no waiting policy is free when idle. Other processes' load is all CPUs' busy time less
     this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default.
-    torch.set_num_threads reaches ATen's kernels at once; inductor's compiled kernels keep the count they were
-    compiled for (the small ones: the matmuls are ATen's or torchao's)."""
+    torch.set_num_threads reaches ATen's kernels at once, and inductor's too where they were compiled for every
+    core (warm_up compiles them so); the change recompiles nothing (without_global_state_guard)."""
 
     def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
         self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock
@@ -851,15 +863,22 @@ def streamer(tokenizer, governor: Optional[ThreadGovernor] = None):
     return stream
 
 
-def warm_up(session: Session, prompt: list, sampling: Sampling):
+def warm_up(session: Session, prompt: list, sampling: Sampling, governor: Optional[ThreadGovernor] = None):
     """Run one short generation so that torch.compile builds every graph now, and say how long it took and
-    how many graphs came from inductor's on-disk cache (a second run of the same command reuses them)."""
+    how many graphs came from inductor's on-disk cache (a second run of the same command reuses them). With the
+    governor, inductor compiles its kernels for every core (a kernel compiled at one thread has no parallel
+    loop); they then run at whatever count the governor sets, and the load the compiler made is forgotten."""
     from torch._dynamo.utils import counters
 
     print("Compiling the decode steps (warm-up) ...", end=" ", file=sys.stderr, flush=True)
-    start = time.perf_counter()
+    start, threads = time.perf_counter(), torch.get_num_threads()
+    if governor is not None:
+        torch.set_num_threads(governor.cpus)
     session.generate(prompt, 8, sampling)
     session.reset()
+    if governor is not None:
+        torch.set_num_threads(threads)
+        governor.last = governor.sample()
     hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     bypass = counters["inductor"]["fxgraph_cache_bypass"]  # e.g. frozen graphs holding oneDNN-packed weights
     reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses + bypass else \
@@ -976,14 +995,11 @@ def main(argv=None):
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    # with the governor, inductor's own kernels stay compiled for every core and ATen's (the matmuls) follow the
-    # thread count: idle and with one core taken that measured as fast as inductor's cpp.dynamic_threads or
-    # faster (results/2026-12-01-threads-under-load-avx512-bf16)
     steps = Steps.compiled(args.device, args.compile_prefill, COMPILE_KINDS[args.compile_kind]) if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:
-            warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling)
+            warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling, governor)
         return chat(session, tokenizer, args, sampling, governor)
     templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
 
@@ -999,7 +1015,7 @@ def main(argv=None):
     # a cache no longer than the prompts need: attention reads every cache slot
     session = Session(model, min(args.max_seq_len, max(map(len, prompts)) + args.max_new_tokens), head, tree, steps)
     if compiled:
-        warm_up(session, prompts[0], sampling)
+        warm_up(session, prompts[0], sampling, governor)
     for text, prompt in zip(args.prompt, prompts):
         for i in range(args.num_samples):
             session.reset()  # each sample starts from a fresh prefill, so timings compare

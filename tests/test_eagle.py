@@ -657,7 +657,8 @@ def test_compiled_steps_do_not_recompile(device):
 def test_autotuned_steps_are_lossless_and_do_not_recompile():
     """Steps compiled with inductor's max-autotune GEMM kernels and freezing (generate.AUTOTUNE_OPTIONS,
     what --autotune takes): greedy EAGLE (a chain with a context branch) equals vanilla, and nothing
-    recompiles after the warm-up as prompts, cache lengths and the conversation change. Real inductor."""
+    recompiles after the warm-up as prompts, cache lengths, the conversation and the thread count change (a
+    recompile there cost a generation tens of seconds, issue 29). Real inductor."""
     model = tiny_target(vocab_size=32)
     head = copycat_head(model)
     prompts = tiny_prompts(3, 32, seed=4)
@@ -671,6 +672,13 @@ def test_autotuned_steps_are_lossless_and_do_not_recompile():
             with torch._dynamo.config.patch(error_on_recompile=True):
                 for prompt, ref in zip(prompts[1:], refs[1:]):
                     assert session.generate(prompt, n, Sampling())[0] == ref
+                threads = torch.get_num_threads()
+                try:  # what the thread governor does under load: dynamo's global-state guard holds the count
+                    for count in (1, 2):
+                        torch.set_num_threads(count)
+                        assert session.generate(prompts[0], n, Sampling())[0] == refs[0]
+                finally:
+                    torch.set_num_threads(threads)
     finally:
         torch._dynamo.reset()
 
