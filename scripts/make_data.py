@@ -271,6 +271,21 @@ def write_chunk(out: Path, name: str, conversations: list, manifest: dict) -> di
     return manifest
 
 
+def restore_partial(out: Path, name: str, group: list, target_hash: str) -> list:
+    """The conversations of chunk `name` a stopped run answered in full (OUT/partial/NAME.json), their records
+    put back into `group`'s Conversation objects."""
+    path = out / "partial" / f"{name}.json"
+    if not path.exists():
+        return []
+    records = {}
+    for r in read_chunk(path, target_hash):
+        records.setdefault(r["conversation"], []).append((r["prompt"], r["answer"], r["finish"]))
+    restored = [conv for conv in group if conv.index in records]
+    for conv in restored:
+        conv.records = records[conv.index]
+    return restored
+
+
 def common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -383,8 +398,12 @@ def main(argv=None):
     if not chunks:
         print(f"nothing to do: all {len(convs)} conversations are in {args.out}/", file=sys.stderr)
         return
-    queue = [(conv, sampling) for _, group, _, sampling in chunks for conv in group]
-    left = {name: len(group) for name, group, _, _ in chunks}
+    # a stopped run kept its chunks' finished conversations in OUT/partial/ (a chunk waits for its longest
+    # conversation, turn after turn: tens of minutes); they are not answered again
+    finished = {name: restore_partial(args.out, name, group, target["weights_sha256"]) for name, group, _, _ in chunks}
+    queue = [(conv, sampling) for name, group, _, sampling in chunks for conv in group
+             if not any(conv is f for f in finished[name])]
+    left = {name: len(group) - len(finished[name]) for name, group, _, _ in chunks}
     chunk_of = {id(conv): (name, group, manifest) for name, group, manifest, _ in chunks for conv in group}
     stop = {"asked": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(asked=True))
@@ -406,9 +425,15 @@ def main(argv=None):
     def conversation_done(conv):
         name, group, manifest = chunk_of[id(conv)]
         left[name] -= 1
+        finished[name].append(conv)
         done["conversations"] += 1
         if left[name] == 0:
-            write_chunk(args.out, name, group, {**manifest, "engine": {"batch_size": args.batch_size}})
+            complete(name, group, manifest)
+
+    def complete(name, group, manifest):
+        write_chunk(args.out, name, group, {**manifest, "engine": {"batch_size": args.batch_size}})
+        for suffix in (".json", ".ids.xz"):
+            (args.out / "partial" / f"{name}{suffix}").unlink(missing_ok=True)
 
     def on_done(request, answer, reason):
         conv = request.key
@@ -425,14 +450,22 @@ def main(argv=None):
         if engine.steps % 20 == 0:
             bar.set_postfix(conversations=f"{done['conversations']}/{done['total']}", refresh=False)
 
+    for name, group, manifest, _ in chunks:  # chunks a partial file finished already
+        if left[name] == 0:
+            complete(name, group, manifest)
     engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed + args.resample,
                     cut_loops=args.cut_loops)
     engine.run(next_request, on_done, tokenizer.stop_ids, should_stop=lambda: stop["asked"], on_step=on_step)
     bar.close()
+    for name, group, manifest, _ in chunks:
+        if left[name] > 0 and finished[name]:
+            write_chunk(args.out / "partial", name, sorted(finished[name], key=lambda c: c.index),
+                        {**manifest, "engine": {"batch_size": args.batch_size}})
     elapsed = time.perf_counter() - start_time
     print(f"{engine.answer_tokens} answer tokens in {elapsed:.0f} s ({engine.answer_tokens / elapsed:.0f} tokens/s, "
-          f"batch {args.batch_size}); " + ("stopped: unfinished chunks are made again next time" if stop["asked"]
-                                           else "done"), file=sys.stderr)
+          f"batch {args.batch_size}); " + ("done" if not stop["asked"] else "stopped: the finished conversations of "
+                                           f"open chunks are kept in {args.out / 'partial'}/, the rest answered next time"),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -232,6 +232,38 @@ def test_make_data_resumes(tmp_path, default_checkpoint, capsys):
     assert len(list(conversation_sequences(both))) == sum(passes)
 
 
+def test_a_stopped_run_keeps_the_conversations_it_finished(tmp_path, default_checkpoint, monkeypatch):
+    """Stopped before its chunk is complete, a run writes the conversations it answered in full to OUT/partial/
+    (not read as training data); the next run answers only the others, then writes the chunk and drops the
+    partial file. Greedy fp32: the chunk holds what an uninterrupted run writes."""
+    ckpt_dir = tiny_checkpoint_with_tokenizer(tmp_path, default_checkpoint)
+    args = ["--checkpoint", str(ckpt_dir / "model.pth"), "--conversations", "4", "--chunk", "4", "--batch_size", "2",
+            "--max_new_tokens", "6", "--max_len", "400", "--no-compile", "--dtype", "float32"]
+    make_data.main(args + ["--out", str(tmp_path / "whole")])
+    out, run, asked = tmp_path / "data", Engine.run, []
+
+    def stopped_early(self, next_request, on_done, stop_ids=frozenset(), should_stop=None, on_step=None):
+        def done(request, answer, reason):
+            follow = on_done(request, answer, reason)
+            if follow is None:
+                asked.append(request.key.index)  # a conversation answered in full
+            return follow
+        return run(self, next_request, done, stop_ids, should_stop=lambda: len(asked) >= 1, on_step=on_step)
+
+    monkeypatch.setattr(Engine, "run", stopped_early)
+    make_data.main(args + ["--out", str(out)])
+    assert not list(out.glob("*.json")) and load_answers(out) == []
+    kept = read_chunk(out / "partial" / "sharegpt-c000200-t0.json")
+    assert {r["conversation"] for r in kept} == set(asked)
+    monkeypatch.setattr(Engine, "run", run)
+    answered = []
+    monkeypatch.setattr(make_data, "conversation_requests", lambda conv, *a, _f=make_data.conversation_requests:
+                        (answered.append(conv.index), _f(conv, *a))[1])
+    make_data.main(args + ["--out", str(out)])
+    assert not set(asked) & set(answered) and not list((out / "partial").glob("*"))
+    assert load_answers(out) == load_answers(tmp_path / "whole")
+
+
 def test_training_reads_stored_ids_with_the_targets_features(tmp_path):
     """train_eagle online --answers: the stored prompt + answer ids become training sequences (loss on the
     answer), and their packed target pass gives each sequence the features of a plain forward over it alone."""
