@@ -181,7 +181,7 @@ def without_global_state_guard(guards) -> list:
     torch.get_num_threads() among grad mode, autocast and the default dtype, so each change of the thread count
     (the ThreadGovernor's, under load) recompiled every step in the middle of a generation: tens of seconds a
     step with frozen, autotuned graphs (a first run went 0.9 tokens/s, issue 29). A step's inductor kernels
-    follow the thread count at run time anyway when compiled for every core (see main). The rest of that state
+    follow the thread count at run time anyway when compiled for every core (see warm_up). The rest of that state
     is fixed for the steps: Session runs them under torch.no_grad(), never under autocast."""
     return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
 
@@ -194,7 +194,7 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options)
     as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
     would otherwise hand this step the graph a default compile of the same function made earlier in the process
     (as when the benchmark runs both)."""
-    if "mode" not in options:  # torch.compile takes a mode or options, not both (CUDA graphs: a static count)
+    if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
         options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
     if not inductor_config:
         return torch.compile(f, **options)
