@@ -290,6 +290,10 @@ class ThreadGovernor:
     def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
         self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock
         self.enabled = read("/proc/stat") is not None
+        self.forget()
+
+    def forget(self):
+        """Measure the load from now on (what came before, e.g. the compiler's processes, no longer counts)."""
         self.last = self.sample()
 
     def sample(self):
@@ -878,7 +882,7 @@ def warm_up(session: Session, prompt: list, sampling: Sampling, governor: Option
     session.reset()
     if governor is not None:
         torch.set_num_threads(threads)
-        governor.last = governor.sample()
+        governor.forget()
     hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     bypass = counters["inductor"]["fxgraph_cache_bypass"]  # e.g. frozen graphs holding oneDNN-packed weights
     reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses + bypass else \

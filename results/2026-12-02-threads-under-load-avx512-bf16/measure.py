@@ -2,7 +2,7 @@
 machine idle and with one core taken by a CPU-burning process, idle and busy runs alternating per prompt:
   threads1  --threads 1 (kernels compiled for one thread)
   threads2  --threads 2 (PyTorch's default before issue 29: kernels compiled for two threads)
-  auto      generate.py's default now: ThreadGovernor (inductor cpp.dynamic_threads, re-checked every second)
+  auto      the governor with inductor's cpp.dynamic_threads (2026-12-01's first version; not run here)
   auto_static  generate.py's default since 2026-12-02: the governor, inductor's kernels compiled for every core;
                they and ATen's ops follow the governor's count, and a change recompiles nothing
                (generate.without_global_state_guard; before, dynamo's global-state guard recompiled every step
@@ -67,7 +67,7 @@ if args.setting == "threads1":
     torch.set_num_threads(1)
 elif args.setting == "threads2":
     torch.set_num_threads(2)
-else:  # auto: kernels follow the governor's count; auto_static: compiled for all cores, ATen ops follow it
+else:  # auto: kernels read the count at run time (cpp.dynamic_threads); auto_static: compiled for all cores
     torch.set_num_threads(cpus)
     config = {"cpp.dynamic_threads": True} if args.setting == "auto" else None
 model = quantize.load_quantized(CK / "model_int4.g32.pth")
