@@ -64,7 +64,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import generate  # noqa: E402
 import quantize  # noqa: E402
-from eagle_head import EagleHead  # noqa: E402
+from eagle_head import EagleHead, load_head  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tree import instruction_set, parse_tree, predict  # noqa: E402
@@ -611,10 +611,12 @@ def repo_relative(path) -> str:
     return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
 
 
-def head_record(head_dir: str, head: EagleHead) -> dict:
-    """What a (loaded) head is, and its training budget from the training_record.json beside it."""
+def head_record(head_dir: str, head) -> dict:
+    """What a (loaded) head is (EAGLE-1/2 or EAGLE-3, its input mode), and its training budget from the
+    training_record.json beside it."""
     head_dir = Path(head_dir)
-    row = {"path": repo_relative(head_dir), "input_mode": head.input_mode,
+    row = {"path": repo_relative(head_dir), "kind": "EAGLE-3" if head.feature_layers else "EAGLE-1",
+           "input_mode": head.input_mode,
            "draft_vocab": None if head.draft_vocab is None else head.draft_vocab.numel()}
     record_path = head_dir / "training_record.json"
     if record_path.is_file():
@@ -715,12 +717,12 @@ def markdown(result: dict, plot_names: list) -> str:
         lines.append("")
     if meta.get("heads"):
         lines += ["## EAGLE heads", "",
-                  "| head | input | draft vocab | training steps | tokens seen | wall min | held-out top-1, set (b): "
+                  "| head | kind, input | draft vocab | training steps | tokens seen | wall min | held-out top-1, set (b): "
                   "true features / 1 / 2 / 3 chained steps |", "|---|---|---|---|---|---|---|"]
         for h in meta["heads"]:
             top1 = " / ".join(f"{a:.3f}" for a in h["heldout_top1"]) if h.get("heldout_top1") else "–"
             wall = fmt(h["wall_s"] / 60, 0) if h.get("wall_s") else "–"
-            lines.append(f"| `{h['path']}` | {h['input_mode']} | {h['draft_vocab'] or 'all'} | "
+            lines.append(f"| `{h['path']}` | {h.get('kind', 'EAGLE-1')}, {h['input_mode']} | {h['draft_vocab'] or 'all'} | "
                          f"{h.get('steps') or '–'} | {h.get('tokens_seen') or '–'} | {wall} | {top1} |")
         lines.append("")
     lines += [f"![{name}]({name})" for name in plot_names]
@@ -1007,7 +1009,7 @@ def run_benchmark(args, argv):
             targets[m.dtype] = load_target(checkpoint, m.dtype, device)
         if m.kind == "eagle":
             if (m.head, m.dtype) not in heads:
-                head = EagleHead.load(m.head, device=device, dtype=DTYPES[m.dtype])
+                head = load_head(m.head, device=device, dtype=DTYPES[m.dtype])  # EAGLE-1/2 or EAGLE-3
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head

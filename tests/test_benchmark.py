@@ -429,3 +429,35 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert [(r["question_id"], r["turn"]) for r in result["runs"][::2]] == [(str(i), t) for i in range(2) for t in (1, 2)]
     assert result["metadata"]["resumed_prompts"] == 2 and not (tmp_path / "run" / benchmark.PARTIAL).exists()
     assert all(r["match_vanilla"] for r in result["runs"] if r["method"].startswith("eagle"))
+
+
+def test_an_eagle3_head_runs_under_ablation_heads(tmp_path, monkeypatch):
+    """--ablation_heads takes an EAGLE-3 head as generate.py does (its config.json's architectures): greedy
+    output equals vanilla's (fp32) and the results name the head's kind."""
+    from eagle_head import Eagle3Head
+
+    e3 = tmp_path / "e3"
+    real_build = benchmark.build_quick_checkpoint
+
+    def build(out_dir):
+        checkpoint, head = real_build(out_dir)
+        torch.manual_seed(0)
+        config = generate.ModelArgs.from_checkpoint_dir(Path(checkpoint).parent)
+        Eagle3Head.for_target(config, feature_layers=(0, 1, config.n_layer)).save(e3)
+        return checkpoint, head
+
+    monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name three owls."]}))
+    threads = torch.get_num_threads()
+    try:
+        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "--dtypes", "fp32",
+                                 "--ablation_heads", f"e3={e3}", "--ablation_tree", "chain-3", "--methods",
+                                 "vanilla-fp32-eager", "eagle@e3-*", "--temperatures", "0", "--max_new_tokens", "8",
+                                 "--threads", "1", "--out", str(tmp_path / "a")])
+    finally:
+        torch.set_num_threads(threads)
+    methods = result["summary"][0]["methods"]
+    assert methods["eagle@e3-chain-3-fp32-eager"]["outputs_match_vanilla"]["matched"] == 1
+    assert [h["kind"] for h in result["metadata"]["heads"]] == ["EAGLE-3"]
+    assert "| EAGLE-3, shifted |" in (tmp_path / "a" / "benchmark.md").read_text()
