@@ -722,7 +722,7 @@ def markdown(result: dict, plot_names: list) -> str:
         for h in meta["heads"]:
             top1 = " / ".join(f"{a:.3f}" for a in h["heldout_top1"]) if h.get("heldout_top1") else "–"
             wall = fmt(h["wall_s"] / 60, 0) if h.get("wall_s") else "–"
-            lines.append(f"| `{h['path']}` | {h.get('kind', 'EAGLE-1')}, {h['input_mode']} | {h['draft_vocab'] or 'all'} | "
+            lines.append(f"| `{h['path']}` | {h['kind']}, {h['input_mode']} | {h['draft_vocab'] or 'all'} | "
                          f"{h.get('steps') or '–'} | {h.get('tokens_seen') or '–'} | {wall} | {top1} |")
         lines.append("")
     lines += [f"![{name}]({name})" for name in plot_names]

@@ -238,6 +238,27 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
                for name, s in group["methods"].items() if name != "vanilla-fp32-eager")
 
 
+def quick_with(monkeypatch, tmp_path, add, argv) -> dict:
+    """benchmark.main --quick on one question, 8 new tokens, 1 thread, into tmp_path/a, after add(checkpoint,
+    head, config) has put files beside the quick model it builds (a profile, another head)."""
+    real_build = benchmark.build_quick_checkpoint
+
+    def build(out_dir):
+        checkpoint, head = real_build(out_dir)
+        add(checkpoint, head, generate.ModelArgs.from_checkpoint_dir(Path(checkpoint).parent))
+        return checkpoint, head
+
+    monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name three owls."]}))
+    threads = torch.get_num_threads()
+    try:
+        return benchmark.main(["--quick", "--questions", str(questions), *argv, "--max_new_tokens", "8",
+                               "--threads", "1", "--out", str(tmp_path / "a")])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch):
     """--trees auto takes generate.py's --tree auto choice at each precision (this machine's cost profile
     under $HOME, the head's acceptance.json); every compiled static tree gets its predicted tau and speedup
@@ -251,25 +272,13 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
                                        "update_ms": {"1": 0.5, "9": 0.6}, "move_ms": {"1": 0.1, "9": 0.2}}}}
     p, joint = [[0.7, 0.1]] * 4, [[50, 0, 0, 30], [20, 0, 10, 10]] + [[10, 0, 0, 20]] * 3
     tree.cost_profile_path(1).parent.mkdir(parents=True)
-    real_build = benchmark.build_quick_checkpoint
 
-    def build(out_dir):
-        checkpoint, head = real_build(out_dir)
+    def add(checkpoint, head, config):
         Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [joint] * 3}}))
-        config = generate.ModelArgs.from_checkpoint_dir(Path(checkpoint).parent)  # the profile is of this model
         tree.cost_profile_path(1).write_text(json.dumps({**profile, "model": generate.profile_model(config)}))
-        return checkpoint, head
 
-    monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name three owls."]}))
-    threads = torch.get_num_threads()
-    try:
-        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "compiled", "--dtypes", "fp32",
-                                 "--trees", "auto", "c1l2=chain-1+lookup-2", "--temperatures", "0", "1",
-                                 "--max_new_tokens", "8", "--threads", "1", "--out", str(tmp_path / "a")])
-    finally:
-        torch.set_num_threads(threads)
+    result = quick_with(monkeypatch, tmp_path, add, ["--modes", "compiled", "--dtypes", "fp32", "--trees", "auto",
+                                                     "c1l2=chain-1+lookup-2", "--temperatures", "0", "1"])
     chosen = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN,
                             lookup_joints=[joint] * 3)
     predicted = result["summary"][0]["predicted"]
@@ -437,26 +446,14 @@ def test_an_eagle3_head_runs_under_ablation_heads(tmp_path, monkeypatch):
     from eagle_head import Eagle3Head
 
     e3 = tmp_path / "e3"
-    real_build = benchmark.build_quick_checkpoint
 
-    def build(out_dir):
-        checkpoint, head = real_build(out_dir)
+    def add(checkpoint, head, config):
         torch.manual_seed(0)
-        config = generate.ModelArgs.from_checkpoint_dir(Path(checkpoint).parent)
         Eagle3Head.for_target(config, feature_layers=(0, 1, config.n_layer)).save(e3)
-        return checkpoint, head
 
-    monkeypatch.setattr(benchmark, "build_quick_checkpoint", build)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["Name three owls."]}))
-    threads = torch.get_num_threads()
-    try:
-        result = benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "--dtypes", "fp32",
-                                 "--ablation_heads", f"e3={e3}", "--ablation_tree", "chain-3", "--methods",
-                                 "vanilla-fp32-eager", "eagle@e3-*", "--temperatures", "0", "--max_new_tokens", "8",
-                                 "--threads", "1", "--out", str(tmp_path / "a")])
-    finally:
-        torch.set_num_threads(threads)
+    result = quick_with(monkeypatch, tmp_path, add, ["--modes", "eager", "--dtypes", "fp32", "--ablation_heads",
+                                                     f"e3={e3}", "--ablation_tree", "chain-3", "--methods",
+                                                     "vanilla-fp32-eager", "eagle@e3-*", "--temperatures", "0"])
     methods = result["summary"][0]["methods"]
     assert methods["eagle@e3-chain-3-fp32-eager"]["outputs_match_vanilla"]["matched"] == 1
     assert [h["kind"] for h in result["metadata"]["heads"]] == ["EAGLE-3"]
