@@ -221,7 +221,7 @@ class BatchedSession:
         row.tokens.append(int(sample(logits[0, -1], sampling)))
         if self.head is None:
             return None
-        with narrow_caches([self.head.attention.kv_cache], b):  # eager: the prompts' length varies
+        with narrow_caches(self.head.kv_caches(), b):  # eager: the prompts' length varies
             return update_rows(self.model, self.head, rows_tensor([self.head.pair_tokens(row.tokens[1:], row.tokens[:T])],
                                                                   self.device),
                                features, pos, causal_mask(pos, T), rows_tensor([T - 1], self.device),

@@ -16,20 +16,22 @@ the other half of the input.
 Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang and vLLM also read:
 config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys fc.weight,
 fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight,
-layers.0.mlp.{gate,up,down}_proj.weight (embed_tokens.weight, when present, is ignored). q/k rows are in
+layers.0.mlp.{gate,up,down}_proj.weight (embed_tokens.weight, when present, is ignored); a head with
+num_hidden_layers N > 1 (not EAGLE's shipped shape; an experiment in capacity) adds layers.1 .. layers.N-1, each
+with its input_layernorm too. q/k rows are in
 HF's half-split rotary layout, permuted to model.py's interleaved pairs on load and back on save.
 """
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, cache_dtype,
-                   causal_mask, halves_to_interleaved, interleaved_to_halves, load_state, precompute_rope)
+from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock,
+                   cache_dtype, causal_mask, halves_to_interleaved, interleaved_to_halves, load_state, precompute_rope)
 
 
 INPUT_MODES = ("shifted", "unshifted", "feature", "token")
@@ -47,15 +49,43 @@ class EagleHead(nn.Module):
         self.attention = Attention(config, bias=False)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
+        # layers after the first (config.n_layer > 1): whole LLaMA blocks, input norm included, as EAGLE's own code
+        # builds them from num_hidden_layers; the shipped heads have none
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer - 1))
         self.max_seq_len = 0
         self.draft_vocab: Optional[Tensor] = None  # token ids the draft may propose (None: all)
         self.__dict__["lm_head"] = None  # bind(): the target's LM head rows for draft_vocab (no submodule)
 
     @classmethod
-    def for_target(cls, target_config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted") -> "EagleHead":
-        """A fresh head shaped for a target: one layer of the target's dimensions and rope_theta."""
-        config = ModelArgs(**{**asdict(target_config), "n_layer": 1, "attention_bias": False, "rope_scaling": None})
+    def for_target(cls, target_config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted",
+                   n_layer: int = 1) -> "EagleHead":
+        """A fresh head shaped for a target: n_layer layers (EAGLE: one) of the target's dimensions and rope_theta."""
+        config = ModelArgs(**{**asdict(target_config), "n_layer": n_layer, "attention_bias": False, "rope_scaling": None})
         return cls(config, fc_bias, input_mode)
+
+    @torch.no_grad()
+    def deepened(self, n_layer: int) -> "EagleHead":
+        """This head with layers added up to n_layer, each starting as the identity (its attention output and
+        MLP down projections zero), so that it drafts exactly as before until trained."""
+        config = ModelArgs(**{**asdict(self.config), "n_layer": n_layer})
+        head = type(self)(config, self.fc_bias, self.input_mode).to(self.fc.weight)
+        head.load_state_dict(self.state_dict(), strict=False)
+        for block in head.layers[len(self.layers):]:
+            block.attention.wo.weight.zero_()
+            block.feed_forward.w2.weight.zero_()
+        head.draft_vocab = self.draft_vocab
+        return head
+
+    def attentions(self) -> list:
+        return [self.attention] + [block.attention for block in self.layers]
+
+    def kv_caches(self) -> list:
+        return [a.kv_cache for a in self.attentions()]
+
+    def set_kv_caches(self, make: Callable[[], Optional[nn.Module]]):
+        """Give every layer's attention a cache of its own from make() (None: no cache, whole-sequence training)."""
+        for a in self.attentions():
+            a.kv_cache = make()
 
     def setup_caches(self, max_seq_len: int, dtype=None, batch_size: int = 1):
         cache = self.attention.kv_cache
@@ -63,7 +93,7 @@ class EagleHead(nn.Module):
             return
         weight, c = self.fc.weight, self.config
         dtype = dtype or cache_dtype(weight.dtype, weight.device)
-        self.attention.kv_cache = KVCache(batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device)
+        self.set_kv_caches(lambda: KVCache(batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device))
         self.setup_rope(max_seq_len)
 
     def setup_rope(self, max_seq_len: int, dtype=None):
@@ -84,9 +114,13 @@ class EagleHead(nn.Module):
             features = torch.zeros_like(features)
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
         rope_pos = input_pos if rope_pos is None else rope_pos
+        cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
-        h = x + self.attention(x, input_pos, self.rope_cos[rope_pos], self.rope_sin[rope_pos], mask)
-        return h + self.feed_forward(self.post_attention_norm(h))
+        h = x + self.attention(x, input_pos, cos, sin, mask)
+        h = h + self.feed_forward(self.post_attention_norm(h))
+        for block in self.layers:
+            h = block(h, input_pos, cos, sin, mask)
+        return h
 
     def pair_tokens(self, next_tokens: Tensor, own_tokens: Tensor) -> Tensor:
         """The tokens whose embeddings go with features f_i: t_{i+1} (EAGLE), or t_i ("unshifted")."""
@@ -136,7 +170,9 @@ class EagleHead(nn.Module):
             (Path(out_dir) / "draft_vocab.json").write_text(json.dumps(self.draft_vocab.tolist()))
 
     def official_state_dict(self) -> dict:
-        state = {"fc.weight": self.fc.weight, **decoder_layer_state(self, "layers.0.")}
+        state = {"fc.weight": self.fc.weight, **decoder_layer_state(self, "layers.0.", self.config)}
+        for i, block in enumerate(self.layers, 1):
+            state.update(decoder_layer_state(block, f"layers.{i}.", self.config))
         if self.fc_bias:
             state["fc.bias"] = self.fc.bias
         return {k: t.detach() for k, t in state.items()}
@@ -149,10 +185,14 @@ class EagleHead(nn.Module):
             config = ModelArgs.from_config({**config_dict, "architectures": ["LlamaForCausalLM"]})
         except KeyError as e:
             raise CheckpointError(f"{config_path} is not a valid EAGLE head config ({e})") from None
-        config.n_layer, config.attention_bias, config.tie_embeddings = 1, False, False
+        config.attention_bias, config.tie_embeddings = False, False
+        config.n_layer = int(config_dict.get("num_hidden_layers", 1))
         state = read_weights(head_dir)
         try:
             ours = {"fc.weight": state["fc.weight"], **decoder_layer_from_state(state, "layers.0.", config)}
+            for i in range(1, config.n_layer):
+                ours.update({f"layers.{i - 1}.{k}": v
+                             for k, v in decoder_layer_from_state(state, f"layers.{i}.", config, block=True).items()})
         except KeyError as e:
             raise CheckpointError(f"EAGLE head in {head_dir} lacks weight {e.args[0]}; is it an EAGLE-1/2 head?") from None
         fc_bias = "fc.bias" in state
@@ -177,27 +217,42 @@ def check_sizes(kind: str, config: ModelArgs, target_config: ModelArgs, vocab_si
                                   "use a head trained for this model")
 
 
-def decoder_layer_state(head: nn.Module, prefix: str) -> dict:
-    """The head's decoder layer (attention, post-attention norm, MLP) under HF LLaMA names after
-    `prefix`, q/k rows back in HF's rotate-half layout."""
-    c, a = head.config, head.attention
+def layer_parts(layer: nn.Module) -> dict:
+    """Our modules of a decoder layer by HF LLaMA name: the head's own first layer (no input norm) or a
+    TransformerBlock (a layer after it)."""
+    if isinstance(layer, TransformerBlock):
+        return {"self_attn": layer.attention, "post_attention_layernorm": layer.ffn_norm, "mlp": layer.feed_forward,
+                "input_layernorm": layer.attention_norm}
+    return {"self_attn": layer.attention, "post_attention_layernorm": layer.post_attention_norm, "mlp": layer.feed_forward}
+
+
+def decoder_layer_state(layer: nn.Module, prefix: str, c: ModelArgs) -> dict:
+    """A decoder layer's weights under HF LLaMA names after `prefix`, q/k rows back in HF's rotate-half layout."""
+    parts = layer_parts(layer)
+    a, mlp = parts["self_attn"], parts["mlp"]
     q, k, v = a.wqkv.weight.detach().split([c.n_head * c.head_dim, c.n_local_heads * c.head_dim,
                                             c.n_local_heads * c.head_dim])
     names = {"self_attn.q_proj": interleaved_to_halves(q, c.n_head, c.head_dim),
              "self_attn.k_proj": interleaved_to_halves(k, c.n_local_heads, c.head_dim),
              "self_attn.v_proj": v, "self_attn.o_proj": a.wo.weight,
-             "post_attention_layernorm": head.post_attention_norm.weight, "mlp.gate_proj": head.feed_forward.w1.weight,
-             "mlp.up_proj": head.feed_forward.w3.weight, "mlp.down_proj": head.feed_forward.w2.weight}
+             "post_attention_layernorm": parts["post_attention_layernorm"].weight, "mlp.gate_proj": mlp.w1.weight,
+             "mlp.up_proj": mlp.w3.weight, "mlp.down_proj": mlp.w2.weight}
+    if "input_layernorm" in parts:
+        names["input_layernorm"] = parts["input_layernorm"].weight
     return {f"{prefix}{name}.weight": weight for name, weight in names.items()}
 
 
-def decoder_layer_from_state(state: dict, prefix: str, c: ModelArgs) -> dict:
-    """decoder_layer_state's inverse: our names for the layer's weights in `state` (KeyError if one is missing)."""
+def decoder_layer_from_state(state: dict, prefix: str, c: ModelArgs, block: bool = False) -> dict:
+    """decoder_layer_state's inverse: our names for the layer's weights in `state` (KeyError if one is missing),
+    those of the head's first layer, or (block) of a TransformerBlock."""
     wqkv = torch.cat([halves_to_interleaved(state[f"{prefix}self_attn.q_proj.weight"], c.n_head, c.head_dim),
                       halves_to_interleaved(state[f"{prefix}self_attn.k_proj.weight"], c.n_local_heads, c.head_dim),
                       state[f"{prefix}self_attn.v_proj.weight"]])
     names = {"attention.wo": "self_attn.o_proj", "post_attention_norm": "post_attention_layernorm",
              "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+    if block:
+        names = {**{k: v for k, v in names.items() if k != "post_attention_norm"},
+                 "ffn_norm": "post_attention_layernorm", "attention_norm": "input_layernorm"}
     return {"attention.wqkv.weight": wqkv, **{f"{ours}.weight": state[f"{prefix}{theirs}.weight"]
                                              for ours, theirs in names.items()}}
 
@@ -206,7 +261,7 @@ def head_config(c: ModelArgs, architecture: str, **keys) -> dict:
     """The config.json of a one-layer head of config c (LlamaConfig keys), and `keys`."""
     return {"architectures": [architecture], "model_type": "llama", "hidden_size": c.dim,
             "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
-            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": 1, "rms_norm_eps": c.norm_eps,
+            "num_key_value_heads": c.n_local_heads, "num_hidden_layers": c.n_layer, "rms_norm_eps": c.norm_eps,
             "rope_theta": c.rope_base, "vocab_size": c.vocab_size, "hidden_act": "silu", "torch_dtype": "float32",
             "head_dim": c.head_dim, **keys}
 
@@ -312,6 +367,10 @@ class Eagle3Head(nn.Module):
 
     setup_caches = EagleHead.setup_caches  # the same KV cache and rotary tables (they read fc, config, attention)
     setup_rope = EagleHead.setup_rope
+    kv_caches, set_kv_caches = EagleHead.kv_caches, EagleHead.set_kv_caches
+
+    def attentions(self) -> list:
+        return [self.attention]
 
     @property
     def feature_dim(self) -> int:
@@ -381,7 +440,7 @@ class Eagle3Head(nn.Module):
     def official_state_dict(self) -> dict:
         c = self.config
         state = {
-            "fc.weight": self.fc.weight, **decoder_layer_state(self, "midlayer."),
+            "fc.weight": self.fc.weight, **decoder_layer_state(self, "midlayer.", c),
             "midlayer.hidden_norm.weight": self.hidden_norm.weight,
             "midlayer.input_layernorm.weight": self.input_norm.weight,
             "norm.weight": self.norm.weight,

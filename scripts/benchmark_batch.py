@@ -94,7 +94,7 @@ def parse_args(argv=None):
 
 def row_mb(session: BatchedSession) -> float:
     """Memory a batch row adds: its KV cache rows (target and head)."""
-    caches = session.model.kv_caches() + ([session.head.attention.kv_cache] if session.head is not None else [])
+    caches = session.model.kv_caches() + (session.head.kv_caches() if session.head is not None else [])
     return sum(t.numel() * t.element_size() for c in caches for t in (c.k_cache, c.v_cache)) / session.batch_size / 2**20
 
 

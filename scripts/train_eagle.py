@@ -344,12 +344,12 @@ def evaluate(target, head, records, device, steps=3):
                 continue
             head.max_seq_len = 0
             head.setup_rope(len(r["tokens"]))
-            head.attention.kv_cache = None
+            head.set_kv_caches(lambda: None)
             loss, reg, ce, _ = forward_batch(target, head, [r], device)
             totals += torch.tensor([loss.item(), reg.item(), ce.item()]) * n
             accs += torch.tensor(chained_accuracy(target, head, r, steps, device)) * n
             weight += n
-    head.attention.kv_cache = None
+    head.set_kv_caches(lambda: None)
     head.train()
     t = totals / max(weight, 1)
     return {"loss": t[0].item(), "smooth_l1": t[1].item(), "ce": t[2].item(),
@@ -606,7 +606,7 @@ def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int
         step_of, start_of = total // L, total % L
         see |= (step_of[None, :] >= 1) & (step_of[None, :] <= s + 1) & (start_of[None, :] == start)
         pred = head(embeds[nxt][None], pred[None], (s + 1) * L + slots, mask=see, rope_pos=nxt)[0]
-    head.attention.kv_cache = None
+    head.set_kv_caches(lambda: None)
     return (torch.stack(ranks), torch.stack(counted)) + ((torch.stack(accepts),) if sampled else ())
 
 
@@ -890,7 +890,7 @@ def unrolled_steps(target: Transformer, head, batch: dict, steps: int, noise: fl
     hidden = features.float()
     if noise and not isinstance(head, Eagle3Head):
         hidden = hidden + (torch.rand_like(hidden) * 2 - 1) * noise
-    head.attention.kv_cache = StepCache()
+    head.set_kv_caches(StepCache)
     out = []
     try:
         for s in range(steps):
@@ -908,7 +908,7 @@ def unrolled_steps(target: Transformer, head, batch: dict, steps: int, noise: fl
                     if b.numel() else logp.sum()
             out.append(step)
     finally:
-        head.attention.kv_cache = None
+        head.set_kv_caches(lambda: None)
     return out
 
 
@@ -1040,6 +1040,11 @@ def online_head(args, target: Transformer, train: list, out: Path, ckpt: Optiona
     if args.init:
         head = load_head(args.init)
         head.check_fits(target.config, target.config.vocab_size)
+        if args.head_layers and args.head_layers != head.config.n_layer:
+            if not isinstance(head, EagleHead) or args.head_layers < head.config.n_layer:
+                raise SystemExit(f"--head_layers {args.head_layers}: only an EAGLE-1 head can grow, and only to more "
+                                 f"layers than its {head.config.n_layer}")
+            head = head.deepened(args.head_layers)
     else:
         if ckpt is not None:
             vocab = ckpt["draft_vocab"]
@@ -1049,7 +1054,7 @@ def online_head(args, target: Transformer, train: list, out: Path, ckpt: Optiona
         if args.head == "eagle3":
             head = Eagle3Head.for_target(target.config, vocab)
         else:
-            head = EagleHead.for_target(target.config, fc_bias=True)
+            head = EagleHead.for_target(target.config, fc_bias=True, n_layer=args.head_layers or 1)
             head.draft_vocab = vocab
     head.bind(target.output.weight)
     if ckpt is not None:
@@ -1238,6 +1243,8 @@ def main():
     o.add_argument("--checkpoint", type=Path)
     o.add_argument("--head", choices=["eagle3", "eagle"], default="eagle3", help="EAGLE-3 or EAGLE-1 (a fresh head)")
     o.add_argument("--init", help="start from this saved head (either kind; its weights and draft vocabulary)")
+    o.add_argument("--head_layers", type=int, help="EAGLE-1: decoder layers of the head (EAGLE: 1); with --init, the "
+                   "layers it lacks are added, each starting as the identity")
     o.add_argument("--out", default="runs/eagle3")
     o.add_argument("--save_head", help="write the head here in its official layout at the end")
     o.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations after the held-out ones")

@@ -167,12 +167,17 @@ def tiny_case(head_kind, device="cpu"):
     head = copycat_head(model)
     if head_kind == "draft-vocab":
         head.draft_vocab = torch.arange(0, model.config.vocab_size, 2, device=device)
+    if head_kind == "two-layer":  # the copycat with a second layer of small random residual branches
+        head = head.deepened(2)
+        with torch.no_grad():
+            for w in (head.layers[0].attention.wo.weight, head.layers[0].feed_forward.w2.weight):
+                w.normal_(0, 0.05)
     return model, head
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("spec", TINY_TREES)
-@pytest.mark.parametrize("head_kind", ["copycat", "draft-vocab", "random"])
+@pytest.mark.parametrize("head_kind", ["copycat", "draft-vocab", "two-layer", "random"])
 def test_greedy_tiny_equals_vanilla(spec, head_kind, device):
     """Greedy EAGLE == vanilla on a tiny target, each session sized exactly prompt + max_new_tokens.
     dynamic-8-5-10 drafts into more head slots ((5 - 1) * 8) than it verifies nodes."""
@@ -188,7 +193,7 @@ def test_greedy_tiny_equals_vanilla(spec, head_kind, device):
         accepts += stats.accept_lengths
     if head_kind == "copycat":  # whole-depth acceptances and early rejections both happen
         assert max(accepts) == tree.max_depth and min(accepts) < tree.max_depth - 1
-    elif head_kind == "draft-vocab":
+    elif head_kind in ("draft-vocab", "two-layer"):
         assert max(accepts) >= 2
     else:
         assert min(accepts) == 0

@@ -360,11 +360,11 @@ def chains_one_at_a_time(target, head, sequence, steps, feed):
                 ce[s] += -(batch["target_p"][0, at] * logp).sum().item()
                 hits[s] += int(head.token_ids(logp.argmax()) == batch["target_top"][0, at])
                 count[s] += 1
-    head.attention.kv_cache = None
+    head.set_kv_caches(lambda: None)
     return ce, hits, count
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "eagle-2-layers"])
 def test_unrolled_steps_feed_the_heads_own_hiddens(kind):
     """Training-time test on two sequences packed in one row equals drafting every chain one at a time
     with the head's own hiddens fed back; feeding the target's true features instead (what EAGLE-1
@@ -372,10 +372,10 @@ def test_unrolled_steps_feed_the_heads_own_hiddens(kind):
     from scripts.train_eagle import pack_rows, packed_batch, target_pass, unrolled_steps
 
     target = tiny_target()
-    head = random_head(EVEN) if kind == "eagle3" else EagleHead.for_target(TINY).eval()
+    head = random_head(EVEN) if kind == "eagle3" else EagleHead.for_target(TINY, n_layer=2 if "2" in kind else 1).eval()
     with torch.no_grad():  # confident drafts, so what a step is fed shows in its loss
         (head.lm_head if kind == "eagle3" else head.fc).weight.mul_(10)
-    if kind == "eagle":
+    if kind != "eagle3":
         head.draft_vocab = EVEN
         head.bind(target.output.weight)
     head.setup_rope(64)
@@ -423,12 +423,13 @@ def test_unrolled_loss_weights_and_eagle1_step_zero():
                                three[0]["smooth_l1"] + 0.5 * (three[0]["ce"] + 0.8 * three[1]["ce"] + 0.64 * three[2]["ce"]))
 
 
-def test_unrolled_evaluation_equals_chained_accuracy():
+@pytest.mark.parametrize("n_layer", [1, 2])
+def test_unrolled_evaluation_equals_chained_accuracy(n_layer):
     """The online held-out evaluation of an EAGLE-1 head gives evaluate()'s chained top-1 accuracies."""
     from scripts.train_eagle import evaluate, evaluate_unrolled
 
     target = tiny_target()
-    head = EagleHead.for_target(TINY).eval()
+    head = EagleHead.for_target(TINY, n_layer=n_layer).eval()
     head.draft_vocab = EVEN
     head.bind(target.output.weight)
     head.setup_rope(64)
@@ -503,3 +504,30 @@ def test_online_training_saves_resumes_and_lowers_the_loss(tmp_path, monkeypatch
         return unrolled_loss(head, unrolled_steps(target, head, target_pass(target, head, packed_batch(sequences, rows)), 2)).item()
 
     assert loss(trained) < loss(fresh)
+
+
+def test_online_training_grows_an_eagle1_head(tmp_path, monkeypatch):
+    """--init with --head_layers 2 adds a layer that starts as the identity (the grown head drafts as its
+    parent did) and trains it: the saved head has two layers in the official layout and the new layer moved."""
+    from scripts.train_eagle import evaluate_unrolled, load_records
+
+    ckpt, data, target = tiny_run_files(tmp_path)
+    torch.manual_seed(0)
+    parent = EagleHead.for_target(TINY).eval()
+    parent.save(tmp_path / "parent")
+    grown = parent.deepened(2)
+    sequences = [{"tokens": r["tokens"].tolist(), "loss_mask": r["loss_mask"].tolist()}
+                 for r in load_records(data, "train-generated")]
+    for head in (parent, grown):
+        head.bind(target.output.weight)
+        head.setup_rope(64)
+    assert evaluate_unrolled(target, grown, sequences, steps=2) == evaluate_unrolled(target, parent, sequences, steps=2)
+    online(monkeypatch, ckpt, data, tmp_path / "run", "--init", str(tmp_path / "parent"), "--head_layers", "2",
+           "--max_steps", "2", "--save_head", str(tmp_path / "head"))
+    trained = load_head(tmp_path / "head")
+    assert isinstance(trained, EagleHead) and trained.config.n_layer == 2 and len(trained.layers) == 1
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert trained.layers[0].feed_forward.w2.weight.abs().sum() > 0
+    with pytest.raises(SystemExit, match="only an EAGLE-1 head can grow"):
+        online(monkeypatch, ckpt, data, tmp_path / "shrink", "--init", str(tmp_path / "head"), "--head_layers", "1",
+               "--max_steps", "1")

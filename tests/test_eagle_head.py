@@ -44,6 +44,28 @@ def test_official_layout_round_trip(tmp_path, fc_bias, safetensors):
         torch.testing.assert_close(head_output(loaded), head_output(head), rtol=0, atol=0)
 
 
+def test_a_deeper_head_round_trips_and_grows_from_a_shallow_one(tmp_path):
+    """A two-layer head (num_hidden_layers 2: layers.1 with its input norm) saves and loads exactly; one grown
+    from a one-layer head by `deepened` gives the same output until its new layer is trained."""
+    torch.manual_seed(0)
+    shallow = EagleHead.for_target(TINY).eval()
+    deep = shallow.deepened(2)
+    with torch.no_grad():
+        torch.testing.assert_close(head_output(deep), head_output(shallow), rtol=0, atol=0)
+        for p in deep.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        assert not torch.equal(head_output(deep), head_output(shallow))
+    deep.save(tmp_path)
+    keys = set(torch.load(tmp_path / "pytorch_model.bin").keys())
+    assert {"layers.1.input_layernorm.weight", "layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight",
+            "layers.1.post_attention_layernorm.weight"} <= keys and "layers.0.input_layernorm.weight" not in keys
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    loaded = EagleHead.load(tmp_path)
+    assert len(loaded.layers) == 1 and len(loaded.kv_caches()) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(head_output(loaded), head_output(deep), rtol=0, atol=0)
+
+
 def test_official_layout_uses_hf_rotary_halves(tmp_path):
     """q/k rows are saved in HF's half-split layout: a HF-style attention over the saved weights
     (rotate_half rotary) gives the same scores as our interleaved one."""
