@@ -40,5 +40,5 @@ def top1(sequences) -> tuple:
 held = train_eagle.answer_sequences(Path("data/heldout"), target_hash, 1024, temperature=0.0)[:40]
 seen = train_eagle.answer_sequences(Path("data"), target_hash, 1024, temperature=0.0,
                                     names=["sharegpt-c000200-t0", "sharegpt-c000264-t0"])[:40]
-print("held-out (top-1, answer tokens)", top1(held))
-print("trained on (top-1, answer tokens)", top1(seen))
+print("held-out", top1(held))  # (top-1, answer tokens)
+print("train", top1(seen))
