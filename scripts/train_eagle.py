@@ -1044,7 +1044,11 @@ def online_head(args, target: Transformer, train: list, out: Path, ckpt: Optiona
             if not isinstance(head, EagleHead) or args.head_layers < head.config.n_layer:
                 raise SystemExit(f"--head_layers {args.head_layers}: only an EAGLE-1 head can grow, and only to more "
                                  f"layers than its {head.config.n_layer}")
+            n_old = head.config.n_layer
             head = head.deepened(args.head_layers)
+            if args.freeze_init:  # only the added layers learn: the --init head's own weights stay as they are
+                head.requires_grad_(False)
+                head.layers[n_old - 1:].requires_grad_(True)
     else:
         if ckpt is not None:
             vocab = ckpt["draft_vocab"]
@@ -1089,7 +1093,8 @@ def cmd_online(args):
     depth = args.ttt_steps
     longest = max([args.pack_len] + [len(s["tokens"]) for seqs in evals.values() for s in seqs])
     head.setup_rope(longest + max(depth, EVAL_STEPS + 1))  # rotary positions j + s of the unrolled steps
-    optimizer = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
     rows_per_epoch = len(pack_rows([len(s["tokens"]) for s in train], args.pack_len))
     total_steps = args.max_steps or math.ceil(rows_per_epoch / args.batch_size) * args.epochs
     state = {"step": 0, "epoch": 0, "offset": 0, "tokens_seen": 0, "answer_tokens_seen": 0, "wall_s": 0.0,
@@ -1245,6 +1250,7 @@ def main():
     o.add_argument("--init", help="start from this saved head (either kind; its weights and draft vocabulary)")
     o.add_argument("--head_layers", type=int, help="EAGLE-1: decoder layers of the head (EAGLE: 1); with --init, the "
                    "layers it lacks are added, each starting as the identity")
+    o.add_argument("--freeze_init", action="store_true", help="with --init and --head_layers: train only the added layers")
     o.add_argument("--out", default="runs/eagle3")
     o.add_argument("--save_head", help="write the head here in its official layout at the end")
     o.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations after the held-out ones")

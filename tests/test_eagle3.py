@@ -508,7 +508,8 @@ def test_online_training_saves_resumes_and_lowers_the_loss(tmp_path, monkeypatch
 
 def test_online_training_grows_an_eagle1_head(tmp_path, monkeypatch):
     """--init with --head_layers 2 adds a layer that starts as the identity (the grown head drafts as its
-    parent did) and trains it: the saved head has two layers in the official layout and the new layer moved."""
+    parent did) and trains it: the saved head has two layers in the official layout and the new layer moved;
+    with --freeze_init only the new layer moves."""
     from scripts.train_eagle import evaluate_unrolled, load_records
 
     ckpt, data, target = tiny_run_files(tmp_path)
@@ -528,6 +529,12 @@ def test_online_training_grows_an_eagle1_head(tmp_path, monkeypatch):
     assert isinstance(trained, EagleHead) and trained.config.n_layer == 2 and len(trained.layers) == 1
     assert json.loads((tmp_path / "head" / "config.json").read_text())["num_hidden_layers"] == 2
     assert trained.layers[0].feed_forward.w2.weight.abs().sum() > 0
+    online(monkeypatch, ckpt, data, tmp_path / "frozen", "--init", str(tmp_path / "parent"), "--head_layers", "2",
+           "--freeze_init", "--max_steps", "2", "--save_head", str(tmp_path / "frozen-head"))
+    frozen = load_head(tmp_path / "frozen-head")
+    for name, value in parent.state_dict().items():  # --freeze_init: the parent's weights as they were
+        torch.testing.assert_close(frozen.state_dict()[name], value, rtol=0, atol=0)
+    assert frozen.layers[0].feed_forward.w2.weight.abs().sum() > 0
     with pytest.raises(SystemExit, match="only an EAGLE-1 head can grow"):
         online(monkeypatch, ckpt, data, tmp_path / "shrink", "--init", str(tmp_path / "head"), "--head_layers", "1",
                "--max_steps", "1")
