@@ -17,9 +17,9 @@ Checkpoints use the layout of the public heads (yuhuili/EAGLE-*), which SGLang a
 config.json (LlamaConfig keys + "bias") and pytorch_model.bin or model.safetensors with keys fc.weight,
 fc.bias (optional), layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.post_attention_layernorm.weight,
 layers.0.mlp.{gate,up,down}_proj.weight (embed_tokens.weight, when present, is ignored); a head with
-num_hidden_layers N > 1 (not EAGLE's shipped shape; an experiment in capacity) adds layers.1 .. layers.N-1, each
-with its input_layernorm too. q/k rows are in
-HF's half-split rotary layout, permuted to model.py's interleaved pairs on load and back on save.
+num_hidden_layers N > 1 (not the shape EAGLE ships; `train_eagle.py online --head_layers`) adds layers.1 ..
+layers.N-1, each with its input_layernorm too. q/k rows are in HF's half-split rotary layout, permuted to
+model.py's interleaved pairs on load and back on save.
 """
 import json
 from dataclasses import asdict
@@ -258,7 +258,7 @@ def decoder_layer_from_state(state: dict, prefix: str, c: ModelArgs, block: bool
 
 
 def head_config(c: ModelArgs, architecture: str, **keys) -> dict:
-    """The config.json of a one-layer head of config c (LlamaConfig keys), and `keys`."""
+    """The config.json of a head of config c (LlamaConfig keys), and `keys`."""
     return {"architectures": [architecture], "model_type": "llama", "hidden_size": c.dim,
             "intermediate_size": c.intermediate_size, "num_attention_heads": c.n_head,
             "num_key_value_heads": c.n_local_heads, "num_hidden_layers": c.n_layer, "rms_norm_eps": c.norm_eps,
