@@ -1037,6 +1037,10 @@ def online_head(args, target: Transformer, train: list, out: Path, ckpt: Optiona
     """The head to train: --init's, or a fresh one of --head over the --draft_vocab most frequent tokens (a
     fresh Eagle3Head's lm_head starts random, as the reference's: on one batch it learned faster than one
     copied from the target's LM head rows, whose confident logits start at CE 16 against 9.9)."""
+    if args.freeze_init and not (args.init and args.head_layers):
+        raise SystemExit("--freeze_init trains only the layers --head_layers adds to an --init head; give both")
+    if args.head == "eagle3" and not args.init and (args.head_layers or 1) != 1:
+        raise SystemExit("--head_layers applies to EAGLE-1 heads (--head eagle); an EAGLE-3 head has one layer")
     if args.init:
         head = load_head(args.init)
         head.check_fits(target.config, target.config.vocab_size)

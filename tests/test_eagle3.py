@@ -535,6 +535,10 @@ def test_online_training_grows_an_eagle1_head(tmp_path, monkeypatch):
     for name, value in parent.state_dict().items():  # --freeze_init: the parent's weights as they were
         torch.testing.assert_close(frozen.state_dict()[name], value, rtol=0, atol=0)
     assert frozen.layers[0].feed_forward.w2.weight.abs().sum() > 0
+    with pytest.raises(SystemExit, match="--freeze_init trains only"):
+        online(monkeypatch, ckpt, data, tmp_path / "alone", "--freeze_init", "--max_steps", "1")
+    with pytest.raises(SystemExit, match="an EAGLE-3 head has one layer"):
+        online(monkeypatch, ckpt, data, tmp_path / "e3", "--head_layers", "2", "--max_steps", "1")
     with pytest.raises(SystemExit, match="only an EAGLE-1 head can grow"):
         online(monkeypatch, ckpt, data, tmp_path / "shrink", "--init", str(tmp_path / "head"), "--head_layers", "1",
                "--max_steps", "1")
