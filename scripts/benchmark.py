@@ -6,6 +6,8 @@
     python scripts/benchmark.py --questions my.jsonl              # any MT-bench-format JSONL, by category
     python scripts/benchmark.py --datasets mtbench --per_category 1  # one question of each of the 8 categories
     python scripts/benchmark.py --quick                           # tiny random model, seconds (tests)
+    python scripts/benchmark.py ... --threads 1 --out DIR --shard 0/2 &   # one process per core, then
+    python scripts/benchmark.py ... --threads 1 --out DIR --shard 1/2; python scripts/benchmark.py ... --threads 1 --out DIR --resume
     python scripts/benchmark.py --batch_sizes 1 2 4 8             # batched throughput (scripts/benchmark_batch.py)
 
 Methods are named configurations: `vanilla-{fp32,bf16,int8,int4,int4f}-{eager,compiled,frozen,autotuned}`, `eagle-TREE-DTYPE-MODE`
@@ -848,6 +850,11 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out that was stopped: the prompts it finished (OUT/runs.partial.jsonl) "
                    "are kept, the others run now; same command and machine (a prompt's methods always run together)")
+    p.add_argument("--shard", metavar="K/N",
+                   help="run only every N-th question from the K-th (K = 0..N-1) into OUT/runs.partial-K-of-N.jsonl, "
+                   "e.g. one process per core at --threads 1; when all N have finished, the same command without "
+                   "--shard and with --resume writes the results (the questions' method orders and seeds are the "
+                   "unsharded run's)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: tiny random model and head, 2 prompts, 16 tokens, eager, no peers")
     args = p.parse_args(argv)
@@ -873,6 +880,13 @@ def parse_args(argv=None):
         raise generate.UsageError("--device cuda asked for, but this machine has no CUDA device")
     if args.resume and not args.out:
         raise generate.UsageError("--resume needs the --out folder of the run to continue")
+    if args.shard is not None:
+        k, _, n = args.shard.partition("/")
+        if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+            raise generate.UsageError(f"--shard {args.shard}: give K/N with 0 <= K < N, e.g. --shard 0/2")
+        if not args.out:
+            raise generate.UsageError("--shard needs --out: every shard of a run writes into the same folder")
+        args.shard = (int(k), int(n))
     return args
 
 
@@ -899,26 +913,42 @@ def timed_run(runner, prompt: list, max_new_tokens: int, sampling, stop_ids, dev
 PARTIAL = "runs.partial.jsonl"  # a run in progress: its command and machine, then one line per finished prompt
 
 
-def finished_prompts(out: Path, fingerprint: dict, resume: bool) -> dict:
-    """The prompts a stopped run finished ({key: {"key", "runs", "answer"}}) when resuming, after checking that
-    it was the same command on the same machine; otherwise a fresh OUT/runs.partial.jsonl, started."""
-    path = out / PARTIAL
-    if not resume or not path.is_file():
-        path.write_text(json.dumps(fingerprint) + "\n")
-        return {}
-    first, *lines = path.read_text().splitlines()
-    if json.loads(first) != json.loads(json.dumps(fingerprint)):
-        raise generate.UsageError(f"{path} is another command's or another machine's run; give the same command, "
-                                  "or a new --out without --resume")
-    done = {}
-    for line in lines:
-        try:
-            prompt = json.loads(line)
-        except json.JSONDecodeError:  # the line a kill cut short: that prompt runs again
-            continue
-        done[tuple(prompt["key"])] = prompt
-    path.write_text("\n".join([first] + [json.dumps(p) for p in done.values()]) + "\n")
-    return done
+def partial_name(shard: Optional[tuple]) -> str:
+    """The partial file of a process: PARTIAL, or runs.partial-K-of-N.jsonl for --shard K/N."""
+    return PARTIAL if shard is None else f"runs.partial-{shard[0]}-of-{shard[1]}.jsonl"
+
+
+def finished_prompts(out: Path, fingerprint: dict, resume: bool, shard: Optional[tuple] = None) -> tuple:
+    """(prompts, setups): the prompts finished by the stopped processes of this run ({key: {"key", "runs",
+    "answer"}}, from every OUT/runs.partial*.jsonl: a stopped run or its shards) and each process's warm-up
+    record ({"setup", "trees"}) when resuming, after checking that they were the same command on the same
+    machine; otherwise ({}, []) and this process's partial file, started."""
+    own = out / partial_name(shard)
+    if not resume:
+        own.write_text(json.dumps(fingerprint) + "\n")
+        return {}, []
+    done, setups = {}, []
+    for path in sorted(out.glob("runs.partial*.jsonl")):
+        first, *lines = path.read_text().splitlines()
+        if json.loads(first) != json.loads(json.dumps(fingerprint)):
+            raise generate.UsageError(f"{path} is another command's or another machine's run; give the same "
+                                      "command, or a new --out without --resume")
+        kept = [first]
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the line a kill cut short: that prompt runs again
+                continue
+            kept.append(line)
+            if "key" in record:
+                done[tuple(record["key"])] = record
+            else:
+                setups.append(record)
+        if path == own:
+            path.write_text("\n".join(kept) + "\n")
+    if not own.is_file():
+        own.write_text(json.dumps(fingerprint) + "\n")
+    return done, setups
 
 
 def greedy_match(out: list, reference: list) -> dict:
@@ -956,8 +986,13 @@ def run_benchmark(args, argv):
     out = args.out or default_out(info, args.quick)
     out.mkdir(parents=True, exist_ok=True)
     argv_list = [a for a in (sys.argv[1:] if argv is None else list(argv)) if a != "--resume"]
+    if args.shard is not None:  # every shard, and the run that gathers them, has the same fingerprint
+        i = next(i for i, a in enumerate(argv_list) if a.startswith("--shard"))
+        argv_list = argv_list[:i] + argv_list[i + (1 if "=" in argv_list[i] else 2):]
     fingerprint = {"command": argv_list, "machine": {k: info[k] for k in ("processor", "isa", "cpu_affinity", "torch")}}
-    done = finished_prompts(out, fingerprint, args.resume)  # what a stopped run finished (--resume)
+    # what stopped processes of this run (or its shards) finished (--resume)
+    done, setups = finished_prompts(out, fingerprint, args.resume, args.shard)
+    partial = out / partial_name(args.shard)
     checkpoint = args.checkpoint
     if checkpoint is None:
         from tokenizer import ensure_default_model
@@ -1072,55 +1107,82 @@ def run_benchmark(args, argv):
     print(f"{len(methods)} methods x {n_prompts} prompts x {len(args.temperatures)} temperatures = "
           f"{len(methods) * n_prompts * len(args.temperatures)} timed runs of up to {args.max_new_tokens} tokens; "
           f"methods: {' '.join(m.name for m in methods)}", file=sys.stderr)
-    # warm-up (and compilation), untimed
+    # the questions this process runs: all, or its shard's (every N-th from the K-th, counted over temperatures)
+    plan, position = [], 0
+    for t in args.temperatures:
+        for dataset in datasets:
+            for item in (i for i in items if i.dataset == dataset):
+                mine = args.shard is None or position % args.shard[1] == args.shard[0]
+                plan.append((t, dataset, item, mine))
+                position += 1
+    left = [p for p in plan if p[3] and any((p[0], p[1], p[2].question_id, n + 1) not in done
+                                            for n in range(len(p[2].turns)))]
+    trees_chosen = {m.name: [m.tree, m.sampling_tree] for m in methods if m.kind == "eagle"}
+    for record in setups:
+        if record.get("trees", trees_chosen) != trees_chosen:  # e.g. a cost profile changed between shards
+            raise generate.UsageError(f"the stopped processes in {out} drafted with other trees ({record['trees']}) "
+                                      f"than this one would ({trees_chosen}); start a new --out")
     warm_prompt = render(tokenizer, items[0].turns[:1], [])
-    for m in tqdm(methods, desc="warm-up", file=sys.stderr):
+    # warm-up (and compilation), untimed; nothing left to run (gathering shards): their warm-up times
+    for m in tqdm(methods if left else [], desc="warm-up", file=sys.stderr):
         start = time.perf_counter()
         # greedy steps return tokens, sampling ones logits: one compiled graph each, both built here
         for greedy in sorted({t == 0 for t in args.temperatures}):
             sampling = generate.Sampling(0.0 if greedy else 1.0)
             runners[m.name].run(warm_prompt, min(WARMUP_TOKENS, args.max_new_tokens), sampling, stop_ids)
         setup[m.name]["warmup_s"] = time.perf_counter() - start
+    if left:
+        with open(partial, "a") as f:
+            f.write(json.dumps({"setup": {m.name: setup[m.name]["warmup_s"] for m in methods},
+                                "trees": trees_chosen, "shard": args.shard}) + "\n")
+    else:
+        for m in methods:
+            setup[m.name]["warmup_s"] = next((r["setup"][m.name] for r in setups if m.name in r.get("setup", {})), None)
 
     reference = reference_method(methods)
     twins = {m.name: vanilla_twin(m, methods) for m in methods}
     runs, counter = [], 0
-    for t in args.temperatures:
+    progress = tqdm(total=sum(p[3] for p in plan), desc="questions", file=sys.stderr)
+    for t, dataset, item, mine in plan:
         sampling = generate.Sampling(t)
-        for dataset in datasets:
-            bar = tqdm([i for i in items if i.dataset == dataset], desc=f"{dataset} T={t:g}", file=sys.stderr)
-            for item in bar:
-                answers = []
-                for turn in range(len(item.turns)):
-                    key = (t, dataset, item.question_id, turn + 1)
-                    if key in done:  # finished before the stop
-                        runs += done[key]["runs"]
-                        answers.append(done[key]["answer"])
-                        counter += 1
-                        continue
-                    prompt = render(tokenizer, item.turns[: turn + 1], answers)
-                    order = methods[counter % len(methods):] + methods[: counter % len(methods)]
-                    outputs = {}
-                    for position, m in enumerate(order):
-                        bar.set_postfix_str(f"turn {turn + 1} {m.name}")
-                        torch.manual_seed(args.seed + counter)
-                        outputs[m.name], r = timed_run(runners[m.name], prompt, args.max_new_tokens, sampling,
-                                                       stop_ids, device)
-                        runs.append({"dataset": item.dataset, "question_id": item.question_id,
-                                     "category": item.category, "turn": turn + 1, "temperature": t,
-                                     "method": m.name, "order": position, "prompt_tokens": len(prompt), **r})
-                    for r in runs[-len(order):]:
-                        twin = twins[r["method"]] if sampling.greedy else None
-                        r.update(greedy_match(outputs[r["method"]], outputs[twin]) if twin else
-                                 {"match_reference": None, "match_vanilla": None, "match_prefix": None})
-                        if twin:
-                            r["match_reference"] = twin
-                    answers.append(tokenizer.decode([x for x in outputs[reference.name] if x not in stop_ids]))
-                    counter += 1
-                    with open(out / PARTIAL, "a") as f:
-                        f.write(json.dumps(json_safe({"key": key, "runs": runs[-len(order):], "answer": answers[-1]}))
-                                + "\n")
-
+        if not mine:  # another shard's question: its method orders and seeds stay the unsharded run's
+            counter += len(item.turns)
+            continue
+        answers = []
+        for turn in range(len(item.turns)):
+            key = (t, dataset, item.question_id, turn + 1)
+            if key in done:  # finished before the stop
+                runs += done[key]["runs"]
+                answers.append(done[key]["answer"])
+                counter += 1
+                continue
+            prompt = render(tokenizer, item.turns[: turn + 1], answers)
+            order = methods[counter % len(methods):] + methods[: counter % len(methods)]
+            outputs = {}
+            for position, m in enumerate(order):
+                progress.set_postfix_str(f"{dataset} T={t:g} {item.question_id} turn {turn + 1} {m.name}")
+                torch.manual_seed(args.seed + counter)
+                outputs[m.name], r = timed_run(runners[m.name], prompt, args.max_new_tokens, sampling,
+                                               stop_ids, device)
+                runs.append({"dataset": item.dataset, "question_id": item.question_id,
+                             "category": item.category, "turn": turn + 1, "temperature": t,
+                             "method": m.name, "order": position, "prompt_tokens": len(prompt), **r})
+            for r in runs[-len(order):]:
+                twin = twins[r["method"]] if sampling.greedy else None
+                r.update(greedy_match(outputs[r["method"]], outputs[twin]) if twin else
+                         {"match_reference": None, "match_vanilla": None, "match_prefix": None})
+                if twin:
+                    r["match_reference"] = twin
+            answers.append(tokenizer.decode([x for x in outputs[reference.name] if x not in stop_ids]))
+            counter += 1
+            with open(partial, "a") as f:
+                f.write(json.dumps(json_safe({"key": key, "runs": runs[-len(order):], "answer": answers[-1]})) + "\n")
+        progress.update(1)
+    progress.close()
+    if args.shard is not None:
+        print(f"shard {args.shard[0]}/{args.shard[1]} finished its questions ({partial.name}); when every shard has, "
+              "run the same command without --shard and with --resume to write the results", file=sys.stderr)
+        return None
     groups = summarize(runs, methods, args.baseline)
     for g in groups:
         group_runs = [r for r in runs if (r["dataset"], r["temperature"]) == (g["dataset"], g["temperature"])]
@@ -1140,7 +1202,8 @@ def run_benchmark(args, argv):
             "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
             "methods": [{**asdict(m), "head": m.head and repo_relative(m.head)} for m in methods],
             "setup": setup, "wall_s": time.perf_counter() - started,
-            "resumed_prompts": len(done),  # finished by an earlier process of this run (--resume)
+            "resumed_prompts": len(done),  # finished by an earlier process of this run or its shards (--resume)
+            "shards": sorted({tuple(r["shard"]) for r in setups if r.get("shard")}) or None,  # --shard K/N processes
             "heads": [head_record(d, head) for d, head in {d: h for (d, _), h in heads.items()}.items()],
         },
         "summary": groups,
@@ -1154,7 +1217,8 @@ def run_benchmark(args, argv):
         ',\n"summary": ' + json.dumps(result["summary"], indent=1, allow_nan=False) +
         ',\n"runs": [\n' + ",\n".join(json.dumps(r, allow_nan=False) for r in result["runs"]) + "\n]}\n")
     (out / "benchmark.md").write_text(markdown(result, plot_names))
-    (out / PARTIAL).unlink()  # benchmark.json holds every run now
+    for path in out.glob("runs.partial*.jsonl"):  # benchmark.json holds every run now
+        path.unlink()
     print(f"wrote benchmark.json, benchmark.md and {len(plot_names)} plots to {out}", file=sys.stderr)
     for g in groups:
         print(f"{g['dataset']} T={g['temperature']:g}, baseline {g['baseline']}:", file=sys.stderr)

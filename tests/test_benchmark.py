@@ -424,8 +424,8 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             benchmark.main(argv)
         partial = (tmp_path / "run" / benchmark.PARTIAL).read_text().splitlines()
-        assert len(partial) == 1 + 2  # the command and machine, then the two finished prompts
-        first_two = [r for line in partial[1:] for r in json.loads(line)["runs"]]
+        assert len(partial) == 1 + 1 + 2  # the command and machine, the warm-up, then the two finished prompts
+        first_two = [r for line in partial[2:] for r in json.loads(line)["runs"]]
         with pytest.raises(generate.UsageError, match="another command"):
             benchmark.main(argv[:-2] + ["--max_new_tokens", "5", "--out", str(tmp_path / "run"), "--resume"])
         calls.clear()
@@ -438,6 +438,40 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert [(r["question_id"], r["turn"]) for r in result["runs"][::2]] == [(str(i), t) for i in range(2) for t in (1, 2)]
     assert result["metadata"]["resumed_prompts"] == 2 and not (tmp_path / "run" / benchmark.PARTIAL).exists()
     assert all(r["match_vanilla"] for r in result["runs"] if r["method"].startswith("eagle"))
+
+
+def test_shards_gathered_give_the_unsharded_run(tmp_path):
+    """--shard K/N runs every N-th question into its own partial file; the same command with --resume and
+    without --shard then writes the results: the same runs (method orders, seeds, outputs) as one process."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "math", "turns": [f"What is {i}+2?", "And?"]})
+                                   for i in range(2)))
+    argv = ["--quick", "--questions", str(questions), "--modes", "eager", "--dtypes", "fp32", "--methods",
+            "vanilla-fp32-eager", "eagle-chain-5-fp32-eager", "--temperatures", "0", "1", "--max_new_tokens", "4",
+            "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        whole = benchmark.main(argv + ["--out", str(tmp_path / "whole")])
+        sharded = argv + ["--out", str(tmp_path / "sharded")]
+        assert benchmark.main(sharded + ["--shard", "1/2"]) is None
+        assert benchmark.main(sharded + ["--shard=0/2"]) is None
+        assert sorted(p.name for p in (tmp_path / "sharded").glob("runs.partial*")) == \
+            ["runs.partial-0-of-2.jsonl", "runs.partial-1-of-2.jsonl"]
+        with pytest.raises(generate.UsageError, match="another command"):
+            benchmark.main(argv[:-4] + ["--max_new_tokens", "5", "--threads", "1", "--out", str(tmp_path / "sharded"),
+                                        "--resume"])
+        gathered = benchmark.main(sharded + ["--resume"])
+        with pytest.raises(generate.UsageError, match="K/N"):
+            benchmark.parse_args(sharded + ["--shard", "2/2"])
+    finally:
+        torch.set_num_threads(threads)
+    fields = ("temperature", "question_id", "turn", "method", "order", "new_tokens", "output_sha1")
+    key = lambda r: (r["temperature"], r["question_id"], r["turn"], r["method"])
+    assert sorted([r[f] for f in fields] for r in gathered["runs"]) == sorted([r[f] for f in fields] for r in whole["runs"])
+    assert len(gathered["runs"]) == 2 * 2 * 2 * 2 and len({key(r) for r in gathered["runs"]}) == len(gathered["runs"])
+    assert gathered["metadata"]["shards"] == [[0, 2], [1, 2]] and gathered["metadata"]["resumed_prompts"] == 8
+    assert all(s["warmup_s"] is not None for s in gathered["metadata"]["setup"].values())
+    assert not list((tmp_path / "sharded").glob("runs.partial*"))
 
 
 def test_an_eagle3_head_runs_under_ablation_heads(tmp_path, monkeypatch):
