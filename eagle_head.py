@@ -87,6 +87,10 @@ class EagleHead(nn.Module):
         for a in self.attentions():
             a.kv_cache = make()
 
+    def clear_kv_caches(self):
+        """No cache in any layer: whole-sequence training and evaluation (setup_caches makes them again)."""
+        self.set_kv_caches(lambda: None)
+
     def setup_caches(self, max_seq_len: int, dtype=None, batch_size: int = 1):
         cache = self.attention.kv_cache
         if self.max_seq_len == max_seq_len and cache is not None and cache.k_cache.shape[0] == batch_size:
@@ -368,6 +372,7 @@ class Eagle3Head(nn.Module):
     setup_caches = EagleHead.setup_caches  # the same KV cache and rotary tables (they read fc, config, attention)
     setup_rope = EagleHead.setup_rope
     kv_caches, set_kv_caches = EagleHead.kv_caches, EagleHead.set_kv_caches
+    clear_kv_caches = EagleHead.clear_kv_caches
 
     def attentions(self) -> list:
         return [self.attention]

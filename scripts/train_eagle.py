@@ -344,12 +344,12 @@ def evaluate(target, head, records, device, steps=3):
                 continue
             head.max_seq_len = 0
             head.setup_rope(len(r["tokens"]))
-            head.set_kv_caches(lambda: None)
+            head.clear_kv_caches()
             loss, reg, ce, _ = forward_batch(target, head, [r], device)
             totals += torch.tensor([loss.item(), reg.item(), ce.item()]) * n
             accs += torch.tensor(chained_accuracy(target, head, r, steps, device)) * n
             weight += n
-    head.set_kv_caches(lambda: None)
+    head.clear_kv_caches()
     head.train()
     t = totals / max(weight, 1)
     return {"loss": t[0].item(), "smooth_l1": t[1].item(), "ce": t[2].item(),
@@ -606,7 +606,7 @@ def draft_ranks(target: Transformer, head: EagleHead, record, depth: int, k: int
         step_of, start_of = total // L, total % L
         see |= (step_of[None, :] >= 1) & (step_of[None, :] <= s + 1) & (start_of[None, :] == start)
         pred = head(embeds[nxt][None], pred[None], (s + 1) * L + slots, mask=see, rope_pos=nxt)[0]
-    head.set_kv_caches(lambda: None)
+    head.clear_kv_caches()
     return (torch.stack(ranks), torch.stack(counted)) + ((torch.stack(accepts),) if sampled else ())
 
 
@@ -908,7 +908,7 @@ def unrolled_steps(target: Transformer, head, batch: dict, steps: int, noise: fl
                     if b.numel() else logp.sum()
             out.append(step)
     finally:
-        head.set_kv_caches(lambda: None)
+        head.clear_kv_caches()
     return out
 
 

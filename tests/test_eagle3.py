@@ -360,7 +360,7 @@ def chains_one_at_a_time(target, head, sequence, steps, feed):
                 ce[s] += -(batch["target_p"][0, at] * logp).sum().item()
                 hits[s] += int(head.token_ids(logp.argmax()) == batch["target_top"][0, at])
                 count[s] += 1
-    head.set_kv_caches(lambda: None)
+    head.clear_kv_caches()
     return ce, hits, count
 
 

@@ -73,7 +73,7 @@ def accuracy(target, head, sequences, dtype) -> list:
         n = int(r["loss_mask"][1:].sum())
         head.max_seq_len = 0
         head.setup_rope(len(r["tokens"]))
-        head.set_kv_caches(lambda: None)
+        head.clear_kv_caches()
         accs += torch.tensor(train_eagle.chained_accuracy(view, head, r, 3, "cpu")) * n
         weight += n
     return [round(a, 4) for a in (accs / weight).tolist()]

@@ -31,7 +31,7 @@ def top1(sequences) -> tuple:
         n = int(r["loss_mask"][1:].sum())
         head.max_seq_len = 0
         head.setup_rope(len(r["tokens"]))
-        head.set_kv_caches(lambda: None)
+        head.clear_kv_caches()
         hits += train_eagle.chained_accuracy(target, head, r, 0, "cpu")[0] * n
         weight += n
     return round(hits / weight, 4), weight
