@@ -1115,8 +1115,8 @@ def run_benchmark(args, argv):
                 mine = args.shard is None or position % args.shard[1] == args.shard[0]
                 plan.append((t, dataset, item, mine))
                 position += 1
-    left = [p for p in plan if p[3] and any((p[0], p[1], p[2].question_id, n + 1) not in done
-                                            for n in range(len(p[2].turns)))]
+    left = any(mine and any((t, dataset, item.question_id, n + 1) not in done for n in range(len(item.turns)))
+               for t, dataset, item, mine in plan)  # a question of this process still to run
     trees_chosen = {m.name: [m.tree, m.sampling_tree] for m in methods if m.kind == "eagle"}
     for record in setups:
         if record.get("trees", trees_chosen) != trees_chosen:  # e.g. a cost profile changed between shards
@@ -1142,7 +1142,7 @@ def run_benchmark(args, argv):
     reference = reference_method(methods)
     twins = {m.name: vanilla_twin(m, methods) for m in methods}
     runs, counter = [], 0
-    progress = tqdm(total=sum(p[3] for p in plan), desc="questions", file=sys.stderr)
+    progress = tqdm(total=sum(mine for *_, mine in plan), desc="questions", file=sys.stderr)
     for t, dataset, item, mine in plan:
         sampling = generate.Sampling(t)
         if not mine:  # another shard's question: its method orders and seeds stay the unsharded run's
