@@ -1135,9 +1135,10 @@ def run_benchmark(args, argv):
         with open(partial, "a") as f:
             f.write(json.dumps({"setup": {m.name: setup[m.name]["warmup_s"] for m in methods},
                                 "trees": trees_chosen, "shard": args.shard}) + "\n")
-    else:
-        for m in methods:
-            setup[m.name]["warmup_s"] = next((r["setup"][m.name] for r in setups if m.name in r.get("setup", {})), None)
+    for m in methods:  # every process's warm-up (a stopped run's starts, a sharded run's shards, this one); the slowest
+        each = [r["setup"][m.name] for r in setups if m.name in r.get("setup", {})]
+        each += [setup[m.name]["warmup_s"]] if left else []
+        setup[m.name].update(warmup_s=max(each, default=None), warmup_s_each_process=each)
 
     reference = reference_method(methods)
     twins = {m.name: vanilla_twin(m, methods) for m in methods}

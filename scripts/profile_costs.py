@@ -1,14 +1,13 @@
 """Cost model of this machine for tree.auto_tree: what each piece of an EAGLE cycle costs against its rows.
 
-    python quantize.py --mode int4 --groupsize 32 --quantize_lm_head   # the int4 / int8 files, if missing
-    python quantize.py --mode int8
     python scripts/profile_costs.py --threads 1                        # -> ~/.cache/eagle-fast/costs-<key>.json
     python scripts/profile_costs.py --threads 1 --precisions int4 --batch_sizes 2 4 8   # + batched cycles
 
 Per precision (fp32, bf16 = model.pth in float32 / bfloat16; int8 = model_int8.pth; int4 =
-model_int4.g32.pth; the files that exist), after PREFIX cached tokens, medians of --reps timings taken
-round-robin over every precision, piece and row count (so load on the machine spreads evenly), of this
-thread's CPU time (a shared machine's other processes stretch wall time, not it; wall medians are kept too):
+model_int4.g32.pth, each quantized from model.pth when missing as generate.py --quantize does), after PREFIX
+cached tokens, medians of --reps timings taken round-robin over every precision, piece and row count (so load
+on the machine spreads evenly), of this thread's CPU time (a shared machine's other processes stretch wall time,
+not it; wall medians are kept too):
 - verify_ms[n]: the target's forward over n new rows with the greedy argmax in the graph (a verify of n
   tree nodes; n = 1 is a vanilla decode step);
 - draft_ms[m]: a head draft step over m nodes (one tree level) with its draft LM head and top-k;
@@ -389,6 +388,11 @@ def main(argv=None):
     start, load_before = time.perf_counter(), os.getloadavg()
     pieces, compile_s = {}, {}
     for precision in args.precisions:
+        missing = not (args.checkpoint / PRECISIONS[precision][0]).is_file()
+        if missing and PRECISIONS[precision][1] is None and (args.checkpoint / "model.pth").is_file():
+            from quantize import quantized_checkpoint  # int8 / int4: quantize.py's file, made once
+
+            quantized_checkpoint(args.checkpoint / "model.pth", precision)
         if not (args.checkpoint / PRECISIONS[precision][0]).is_file():
             print(f"{precision}: {PRECISIONS[precision][0]} missing, skipped (see quantize.py)", file=sys.stderr)
             continue
