@@ -564,17 +564,21 @@ def method_summary(m: Method, rs: list) -> dict:
 
 # ---------------------------------------------------------------- output
 def machine_info(device: str) -> dict:
-    cpu, isa = platform.processor() or platform.machine(), "unknown"
+    cpu, isa, family = platform.processor() or platform.machine(), "unknown", None
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         m = re.search(r"model name\s*:\s*(.+)", cpuinfo)
         # the widest matmul instruction set decides which precision is fastest (machines with the same
-        # model name have differed), so results name it, as the cost profiles do
+        # model name have differed), so results name it, as the cost profiles do, and the CPU family (AMD EPYC
+        # machines with AVX-512 BF16 of families 25 and 26 run the same steps at different speeds)
         cpu, isa = (m.group(1).strip() if m else cpu), instruction_set(cpuinfo).replace("_", "-")
+        f, n = (re.search(rf"^{k}\s*:\s*(\d+)", cpuinfo, re.M) for k in ("cpu family", "model"))
+        family = f and n and f"family {f.group(1)} model {n.group(1)}"
     except OSError:
         pass
-    info = {"platform": platform.platform(), "processor": cpu, "isa": isa, "cpu_count": os.cpu_count(),
-            "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    info = {"platform": platform.platform(), "processor": cpu, "isa": isa, "cpu_family": family,
+            "cpu_count": os.cpu_count(), "cpu_affinity": affinity,
             "python": platform.python_version(), "torch": torch.__version__, "device": device}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
@@ -639,7 +643,7 @@ def fmt(x, digits=2, suffix=""):
 
 def markdown(result: dict, plot_names: list) -> str:
     meta = result["metadata"]
-    isa = meta["machine"].get("isa", "ISA unknown")
+    isa = ", ".join(filter(None, [meta["machine"].get("isa", "ISA unknown"), meta["machine"].get("cpu_family")]))
     lines = [f"# Benchmark {meta['date']} on {meta['machine']['processor']} ({isa})", "",
              f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']['platform']}, {meta['machine']['cpu_count']} CPUs "
@@ -989,7 +993,7 @@ def run_benchmark(args, argv):
     if args.shard is not None:  # every shard, and the run that gathers them, has the same fingerprint
         i = next(i for i, a in enumerate(argv_list) if a.startswith("--shard"))
         argv_list = argv_list[:i] + argv_list[i + (1 if "=" in argv_list[i] else 2):]
-    fingerprint = {"command": argv_list, "machine": {k: info[k] for k in ("processor", "isa", "cpu_affinity", "torch")}}
+    fingerprint = {"command": argv_list, "machine": {k: info[k] for k in ("processor", "isa", "cpu_family", "cpu_affinity", "torch")}}
     # what stopped processes of this run (or its shards) finished (--resume)
     done, setups = finished_prompts(out, fingerprint, args.resume, args.shard)
     partial = out / partial_name(args.shard)
