@@ -993,7 +993,8 @@ def run_benchmark(args, argv):
     if args.shard is not None:  # every shard, and the run that gathers them, has the same fingerprint
         i = next(i for i, a in enumerate(argv_list) if a.startswith("--shard"))
         argv_list = argv_list[:i] + argv_list[i + (1 if "=" in argv_list[i] else 2):]
-    fingerprint = {"command": argv_list, "machine": {k: info[k] for k in ("processor", "isa", "cpu_family", "cpu_affinity", "torch")}}
+    machine = {k: info[k] for k in ("processor", "isa", "cpu_family", "cpu_affinity", "torch")}
+    fingerprint = {"command": argv_list, "machine": machine}
     # what stopped processes of this run (or its shards) finished (--resume)
     done, setups = finished_prompts(out, fingerprint, args.resume, args.shard)
     partial = out / partial_name(args.shard)

@@ -440,9 +440,10 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert all(r["match_vanilla"] for r in result["runs"] if r["method"].startswith("eagle"))
 
 
-def test_shards_gathered_give_the_unsharded_run(tmp_path):
+def test_shards_gathered_give_the_unsharded_run(tmp_path, monkeypatch):
     """--shard K/N runs every N-th question into its own partial file; the same command with --resume and
-    without --shard then writes the results: the same runs (method orders, seeds, outputs) as one process."""
+    without --shard then writes the results: the same runs (method orders, seeds, outputs) as one process.
+    A machine of another CPU family may not continue them."""
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": "math", "turns": [f"What is {i}+2?", "And?"]})
                                    for i in range(2)))
@@ -460,6 +461,11 @@ def test_shards_gathered_give_the_unsharded_run(tmp_path):
         with pytest.raises(generate.UsageError, match="another command"):
             benchmark.main(argv[:-4] + ["--max_new_tokens", "5", "--threads", "1", "--out", str(tmp_path / "sharded"),
                                         "--resume"])
+        machine_info = benchmark.machine_info
+        with monkeypatch.context() as m:
+            m.setattr(benchmark, "machine_info", lambda device: {**machine_info(device), "cpu_family": "family 0 model 0"})
+            with pytest.raises(generate.UsageError, match="another machine"):
+                benchmark.main(sharded + ["--resume"])
         gathered = benchmark.main(sharded + ["--resume"])
         with pytest.raises(generate.UsageError, match="K/N"):
             benchmark.parse_args(sharded + ["--shard", "2/2"])
