@@ -463,7 +463,8 @@ def test_shards_gathered_give_the_unsharded_run(tmp_path, monkeypatch):
                                         "--resume"])
         machine_info = benchmark.machine_info
         with monkeypatch.context() as m:
-            m.setattr(benchmark, "machine_info", lambda device: {**machine_info(device), "cpu_family": "family 0 model 0"})
+            other_family = lambda device: {**machine_info(device), "cpu_family": "family 0 model 0"}
+            m.setattr(benchmark, "machine_info", other_family)
             with pytest.raises(generate.UsageError, match="another machine"):
                 benchmark.main(sharded + ["--resume"])
         gathered = benchmark.main(sharded + ["--resume"])
