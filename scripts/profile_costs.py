@@ -388,13 +388,13 @@ def main(argv=None):
     start, load_before = time.perf_counter(), os.getloadavg()
     pieces, compile_s = {}, {}
     for precision in args.precisions:
-        missing = not (args.checkpoint / PRECISIONS[precision][0]).is_file()
-        if missing and PRECISIONS[precision][1] is None and (args.checkpoint / "model.pth").is_file():
+        weights = args.checkpoint / PRECISIONS[precision][0]
+        if not weights.is_file() and PRECISIONS[precision][1] is None and (args.checkpoint / "model.pth").is_file():
             from quantize import quantized_checkpoint  # int8 / int4: quantize.py's file, made once
 
             quantized_checkpoint(args.checkpoint / "model.pth", precision)
-        if not (args.checkpoint / PRECISIONS[precision][0]).is_file():
-            print(f"{precision}: {PRECISIONS[precision][0]} missing, skipped (see quantize.py)", file=sys.stderr)
+        if not weights.is_file():
+            print(f"{precision}: {weights.name} missing, skipped (see quantize.py)", file=sys.stderr)
             continue
         pieces[precision] = Pieces(precision, args.mode, args.checkpoint, args.eagle_head)
     if not pieces:
