@@ -32,8 +32,8 @@ from torch import Tensor
 
 from eagle_head import EagleHead, load_head
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer, causal_mask
-from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, instruction_set,
-                  parse_tree, tree_attention_mask)
+from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, cpu_family,
+                  instruction_set, parse_tree, same_cpu, tree_attention_mask)
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 REFERENCE_PROFILES = DEFAULT_HEAD / "cost_profiles"  # profile_costs.py's JSON from each kind of machine measured
@@ -664,7 +664,9 @@ def cost_profile(config: ModelArgs) -> tuple:
     """(path, the cost profile at this thread count for a target of config's shape, or None, and the shape the
     machine's own profile holds when it is another model's, else None). This machine's own profile
     (scripts/profile_costs.py), else the shipped reference profile of this instruction set and thread count
-    (REFERENCE_PROFILES, measured on a machine of that kind) when it is of this model."""
+    (REFERENCE_PROFILES) when it is of this model and was measured on a CPU of this family (tree.cpu_family:
+    one instruction set's CPUs differ); its table of compile kinds (profile_costs --autotune) only where that
+    was measured on such a CPU too ("autotune_cpu_family", where it differs from the curves')."""
     threads = torch.get_num_threads()
     path = cost_profile_path(threads)
     profile = json.loads(path.read_text()) if path.is_file() else None
@@ -672,8 +674,10 @@ def cost_profile(config: ModelArgs) -> tuple:
     other = measured if profile and measured != profile_model(config) else None
     reference = REFERENCE_PROFILES / f"{instruction_set()}-t{threads}.json"
     if (profile is None or other) and reference.is_file():
-        shipped = json.loads(reference.read_text())
-        if shipped.get("model") == profile_model(config):
+        shipped, cpu = json.loads(reference.read_text()), cpu_family()
+        if shipped.get("model") == profile_model(config) and same_cpu(shipped.get("cpu_family"), cpu):
+            if not same_cpu(shipped.get("autotune_cpu_family", shipped["cpu_family"]), cpu):
+                shipped.pop("autotune", None)  # frozen_ratio 1, --autotune auto: the default compile
             return reference, shipped, None
     return path, None if other else profile, other
 
@@ -681,8 +685,8 @@ def cost_profile(config: ModelArgs) -> tuple:
 def profile_source(path: Path) -> str:
     """Which profile a choice came from, for its status line."""
     if path.parent == REFERENCE_PROFILES or path.name.startswith("calibration-"):
-        what = f"reference cost profile {path.stem} of the shipped head" if path.parent == REFERENCE_PROFILES else \
-            f"this machine's quick calibration {path.name}"
+        what = f"reference cost profile {path.stem} of the shipped head (CPU {json.loads(path.read_text())['cpu_family']})" \
+            if path.parent == REFERENCE_PROFILES else f"this machine's quick calibration {path.name}"
         return f"{what}; python scripts/profile_costs.py --threads {torch.get_num_threads()} measures it in full"
     return f"this machine's cost profile {path.name}"
 

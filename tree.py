@@ -17,6 +17,7 @@ decoding). They cost no head forward, only verify rows; verification treats them
 import ast
 import math
 import platform
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -532,6 +533,23 @@ def instruction_set(cpuinfo: Optional[str] = None) -> str:
         if needs in flags:
             return name
     return platform.machine() or "unknown"
+
+
+def cpu_family(cpuinfo: Optional[str] = None) -> Optional[str]:
+    """"family F model M" of the CPU (/proc/cpuinfo, or the text cpuinfo), None where it does not say: CPUs of
+    one instruction set run the same steps at different speeds (on the two AVX-512 BF16 EPYC families met,
+    max-autotune took a one-row bf16 step from 47.0 to 17.8 ms on one and from 24.9 to 27.6 ms on the other), so
+    cost profiles record it."""
+    path = Path("/proc/cpuinfo")
+    text = cpuinfo if cpuinfo is not None else path.read_text() if path.is_file() else ""
+    family, model = (re.search(rf"^{key}\s*:\s*(\d+)", text, re.M) for key in ("cpu family", "model"))
+    return f"family {family.group(1)} model {model.group(1)}" if family and model else None
+
+
+def same_cpu(recorded: Optional[str], machine: Optional[str]) -> bool:
+    """Whether a profile measured on the CPU `recorded` ("family F model M", or "family F" where the model was not
+    recorded) holds for this machine's `machine` (cpu_family())."""
+    return bool(recorded and machine) and (machine == recorded or machine.startswith(recorded + " "))
 
 
 def cost_profile_path(threads: int) -> Path:

@@ -69,7 +69,7 @@ import quantize  # noqa: E402
 from eagle_head import EagleHead, load_head  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import instruction_set, parse_tree, predict  # noqa: E402
+from tree import cpu_family, instruction_set, parse_tree, predict  # noqa: E402
 
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
@@ -572,8 +572,7 @@ def machine_info(device: str) -> dict:
         # model name have differed), so results name it, as the cost profiles do, and the CPU family (AMD EPYC
         # machines with AVX-512 BF16 of families 25 and 26 run the same steps at different speeds)
         cpu, isa = (m.group(1).strip() if m else cpu), instruction_set(cpuinfo).replace("_", "-")
-        f, n = (re.search(rf"^{k}\s*:\s*(\d+)", cpuinfo, re.M) for k in ("cpu family", "model"))
-        family = f and n and f"family {f.group(1)} model {n.group(1)}"
+        family = cpu_family(cpuinfo)
     except OSError:
         pass
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None

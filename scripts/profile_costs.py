@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer, causal_mask  # noqa: E402
 from generate import COMPILE_KINDS, compile_step, profile_model  # noqa: E402
-from tree import cost_profile_path, instruction_set  # noqa: E402
+from tree import cost_profile_path, cpu_family, instruction_set  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
@@ -237,7 +237,7 @@ def calibrate(model, head, precision: str, mode: str, batch_size: int = 1) -> di
                        batch_size)
     costs = piece_costs({precision: pieces}, CALIBRATION_ROWS, CALIBRATION_REPS)[0]
     return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
-            "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
             "reps": CALIBRATION_REPS, "prefix_len": PREFIX, "overhead_ms": OVERHEAD_MS,
@@ -438,7 +438,8 @@ def main(argv=None):
         batches[str(batch_size)] = {precision: {**c, "wall_ms": wall_costs[precision]} for precision, c in costs.items()}
         print(f"batch {batch_size}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     profile = {
-        "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(), "threads": args.threads,
+        "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(),
+        "cpu_family": cpu_family(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
         "model": profile_model(next(iter(pieces.values())).model.config), "head": shown(args.eagle_head),
         "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))

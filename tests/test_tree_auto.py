@@ -391,10 +391,23 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
             generate.parse_args(argv)
 
 
+def test_cpu_family_is_read_and_matched():
+    """tree.cpu_family reads "family F model M" from cpuinfo text (None where it is not there); a profile recorded
+    as "family F" (model not recorded) holds for every model of that family, "family F model M" for that one."""
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    assert tree.cpu_family(text) == "family 25 model 17"
+    assert tree.cpu_family("model name\t: Apple M2\n") is None
+    assert tree.same_cpu("family 25 model 17", "family 25 model 17") and tree.same_cpu("family 25", "family 25 model 17")
+    assert not tree.same_cpu("family 25", "family 26 model 2") and not tree.same_cpu("family 2", "family 25 model 1")
+    assert not tree.same_cpu("family 25 model 17", "family 25 model 160") and not tree.same_cpu(None, "family 25 model 17")
+    assert not tree.same_cpu("family 25", None)
+
+
 def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatch, capsys):
-    """A fresh machine (no profile under $HOME) of an instruction set and thread count a shipped reference
-    profile was measured at: --tree auto chooses from it and says so; of another thread count, or where the
-    machine has its own profile, that one (or none) is used instead."""
+    """A fresh machine (no profile under $HOME) of the instruction set, thread count and CPU family a shipped
+    reference profile was measured at: --tree auto chooses from it and says so; its compile-kinds table only
+    where that was measured on this CPU family too; of another CPU family or thread count, or where the machine
+    has its own profile, that one (or none: a calibration) is used instead."""
     import generate
     from model import ModelArgs
 
@@ -402,16 +415,37 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
     shipped = sorted(generate.REFERENCE_PROFILES.glob("*.json"))
     assert shipped, "the shipped head has no reference cost profiles"
     reference = json.loads(shipped[0].read_text())
-    isa, threads = reference["isa"], reference["threads"]
+    isa, threads, family = reference["isa"], reference["threads"], reference["cpu_family"]
     monkeypatch.setattr(generate, "instruction_set", lambda: isa)
     monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
+    here = family if len(family.split()) == 4 else family + " model 1"  # a CPU of the family (and model) measured
+    monkeypatch.setattr(generate, "cpu_family", lambda: here)
     config = ModelArgs()  # the default model's shape, what the reference profiles were measured on
     assert generate.profile_model(config) == reference["model"]
     path, profile, other = generate.cost_profile(config)
     assert path == shipped[0] and profile["precisions"] == reference["precisions"] and other is None
-    assert "reference cost profile" in generate.profile_source(path)
-    assert generate.cost_profile(ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96,
-                                           vocab_size=128))[1] is None  # another model: not its profile
+    assert f"reference cost profile {path.stem} of the shipped head (CPU {family})" in generate.profile_source(path)
+    monkeypatch.setattr(generate, "cpu_family", lambda: "family 1 model 1")  # another CPU of this instruction set
+    assert generate.cost_profile(config)[1] is None
+    # a compile-kinds table measured on another CPU than the curves: served on that of the curves without it
+    mixed = tmp_path / "references"
+    mixed.mkdir()
+    (mixed / shipped[0].name).write_text(json.dumps({**reference, "cpu_family": "family 25",
+                                                     "autotune_cpu_family": "family 26", "autotune": {"int4": {}}}))
+    monkeypatch.setattr(generate, "REFERENCE_PROFILES", mixed)
+    for cpu, served, kinds in (("family 25 model 17", True, False), ("family 26 model 2", False, False)):
+        monkeypatch.setattr(generate, "cpu_family", lambda: cpu)
+        profile = generate.cost_profile(config)[1]
+        assert (profile is not None) == served and (served and "autotune" in profile) == kinds
+    same = {k: v for k, v in reference.items() if k != "autotune_cpu_family"}  # both measured on one CPU
+    (mixed / shipped[0].name).write_text(json.dumps({**same, "cpu_family": "family 25 model 17", "autotune": {"int4": {}}}))
+    assert generate.cost_profile(config)[1] is None  # family 26
+    monkeypatch.setattr(generate, "cpu_family", lambda: "family 25 model 160")
+    assert generate.cost_profile(config)[1] is None  # another model of the family recorded with its model
+    monkeypatch.setattr(generate, "cpu_family", lambda: "family 25 model 17")
+    assert "autotune" in generate.cost_profile(config)[1]
+    monkeypatch.setattr(generate, "REFERENCE_PROFILES", shipped[0].parent)
+    monkeypatch.setattr(generate, "cpu_family", lambda: here)
     monkeypatch.setattr(generate.torch, "get_num_threads", lambda: 7)
     assert generate.cost_profile(config)[1] is None  # no reference at 7 threads
     monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
