@@ -475,6 +475,7 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
     assert "calibrating (once" in err and "this machine's quick calibration calibration-" in err, err
     saved = json.loads(next((tmp_path / ".cache" / "eagle-fast").glob("calibration-*-eager.json")).read_text())
     assert saved["model"] == generate.profile_model(model.config) and set(saved["precisions"]) == {"fp32"}
+    assert saved["cpu_family"] == tree.cpu_family()  # what a profile holds for
     assert all(v > 0 for v in saved["precisions"]["fp32"]["verify_ms"].values())
     with torch.no_grad():
         assert generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager")) == spec
