@@ -1,6 +1,7 @@
 """What generate.py --tree auto and --autotune auto choose from this folder's cost profile (costs.json) and the
 shipped head's acceptance model, for every precision, compile kind and temperature; beside it, what the matrix
-run measured for the kinds it ran (results/2026-12-03-amd-epyc-2cpu-avx512-bf16-matrix, the same CPU family).
+run measured for the kinds it ran (results/2026-12-03-amd-epyc-2cpu-avx512-bf16-matrix, the same CPU family, one
+thread: only beside a one-thread profile). Another profile: its path as the argument.
 
     python results/2026-12-04-cost-model-avx512-bf16-family25/choose.py > results/2026-12-04-cost-model-avx512-bf16-family25/choose.txt
 """
@@ -14,7 +15,7 @@ sys.path.insert(0, str(REPO))
 from generate import AUTO_TREE_MARGIN, COMPILE_KINDS, acceptance_p, auto_compile_kind  # noqa: E402
 from tree import CycleCosts, auto_tree  # noqa: E402
 
-profile = json.loads((HERE / "costs.json").read_text())
+profile = json.loads((Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "costs.json").read_text())
 acceptance = json.loads((REPO / "heads" / "SmolLM2-135M-Instruct-eagle" / "acceptance.json").read_text())
 matrix = json.loads((REPO / "results" / "2026-12-03-amd-epyc-2cpu-avx512-bf16-matrix" / "benchmark.json").read_text())
 measured = {(s["temperature"], name): m for s in matrix["summary"] for name, m in s["methods"].items()}
@@ -35,7 +36,7 @@ for precision in profile["precisions"]:
             mode = BENCH_MODE.get(kind)
             eagle, vanilla = (measured.get((0.0 if greedy else 1.0, f"{m}-{precision}-{mode}"))
                               for m in ("eagle-auto", "vanilla"))
-            if eagle and vanilla:
+            if eagle and vanilla and profile["threads"] == 1:
                 tree = ran[0.0 if greedy else 1.0, f"eagle-auto-{precision}-{mode}"]
                 ratio = eagle["tokens_per_s"]["median"] / vanilla["tokens_per_s"]["median"]
                 line += (f"   | matrix ({mode}): {tree} {ratio:.2f}x (median tokens/s over vanilla's), tau {eagle['tau']:.2f}"
