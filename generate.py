@@ -773,14 +773,20 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     for precision in profile["precisions"]:
         kind = AUTOTUNE_CHOICES.get(autotune) or auto_compile_kind(profile, precision)
         costs = CycleCosts.from_profile(profile, precision, kind=kind)
-        joints = acceptance.get("lookup", {}).get("joints") if acceptance and greedy else None
-        gain = auto_tree(acceptance_p(acceptance, greedy), costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints).speedup \
-            if acceptance else 1.0
+        gain = best_tree(acceptance, costs, greedy).speedup if acceptance else 1.0
         speeds[precision + f" {kind}" * (kind != "default")] = 1000 / costs.decode_ms * gain
     best = max(speeds, key=speeds.get)
     print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "
           + ", ".join(f"{p} {v:.0f}" for p, v in sorted(speeds.items(), key=lambda kv: -kv[1])) + ")", file=sys.stderr)
     return best.split()[0]
+
+
+def best_tree(acceptance: dict, costs: CycleCosts, greedy: bool = True):
+    """tree.auto_tree's choice (a tree.AutoTree) under the head's acceptance model and `costs`, as --tree auto
+    scores trees: acceptance_p's model, AUTO_TREE_MARGIN, and a context branch only when greedy (its match counts
+    are greedy ones)."""
+    joints = acceptance.get("lookup", {}).get("joints") if greedy else None
+    return auto_tree(acceptance_p(acceptance, greedy), costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints)
 
 
 def acceptance_p(acceptance: dict, greedy: bool = True) -> list:
@@ -802,8 +808,7 @@ def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bo
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return None
-    best = auto_tree(acceptance_p(acceptance, greedy), costs, margin=AUTO_TREE_MARGIN,
-                     lookup_joints=acceptance.get("lookup", {}).get("joints") if greedy else None)
+    best = best_tree(acceptance, costs, greedy)
     batch = f", batch {batch_size}" if batch_size > 1 else ""
     slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "

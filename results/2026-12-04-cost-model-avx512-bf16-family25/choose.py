@@ -12,8 +12,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
-from generate import AUTO_TREE_MARGIN, COMPILE_KINDS, acceptance_p, auto_compile_kind  # noqa: E402
-from tree import CycleCosts, auto_tree  # noqa: E402
+from generate import COMPILE_KINDS, auto_compile_kind, best_tree  # noqa: E402
+from tree import CycleCosts  # noqa: E402
 
 profile = json.loads((Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "costs.json").read_text())
 acceptance = json.loads((REPO / "heads" / "SmolLM2-135M-Instruct-eagle" / "acceptance.json").read_text())
@@ -28,8 +28,7 @@ for precision in profile["precisions"]:
     for kind in COMPILE_KINDS:
         costs = CycleCosts.from_profile(profile, precision, kind=kind)
         for greedy in (True, False):
-            joints = acceptance.get("lookup", {}).get("joints") if greedy else None
-            best = auto_tree(acceptance_p(acceptance, greedy), costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints)
+            best = best_tree(acceptance, costs, greedy)
             choice = best.spec if best.speedup >= 1 else f"plain decoding (best tree {best.spec})"
             line = (f"  {kind:9s} T={0 if greedy else 1}: vanilla step {costs.decode_ms:6.2f} ms, {choice}, "
                     f"predicted tau {best.tau:.2f}, {best.speedup:.2f}x")
