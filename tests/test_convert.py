@@ -133,3 +133,55 @@ def test_download_without_network_fails_in_one_line(tmp_path):
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: could not download yuhuili/EAGLE-Vicuna-7B-v1.3: ")
     assert result.stderr.rstrip().endswith("check the network/HF token")
+
+
+def test_export_hf_round_trip(tmp_path):
+    """export_hf.py: the export loads in transformers with our logits, and converts back to identical weights."""
+    from transformers import AutoModelForCausalLM
+
+    from scripts.export_hf import export_hf
+    for arch, overrides in (("llama", {"tie_word_embeddings": False}), ("llama", {"tie_word_embeddings": True}),
+                            ("qwen2", {})):
+        source, exported = tmp_path / f"{arch}-{len(overrides)}", tmp_path / f"{arch}-{len(overrides)}-hf"
+        save_random_hf_model(source, arch, **overrides)
+        ours = torch.load(convert_hf_checkpoint(source), weights_only=True)
+        (source / "model.safetensors").unlink()  # the export must not lean on the original HF weights
+        export_hf(source, exported)
+        hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+        model = Transformer.from_checkpoint(source / "model.pth")
+        model.setup_caches(1, 24)
+        idx = torch.randint(0, TINY["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert (model(idx, torch.arange(24))[0] - hf(idx).logits).abs().max().item() < 1e-4
+        back = torch.load(convert_hf_checkpoint(exported), weights_only=True)
+        assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_export_hf_default_model_tokenizer_and_chat_template(default_checkpoint, tmp_path):
+    """The default model's export carries a tokenizer that transformers renders our chat prompt with."""
+    from transformers import AutoTokenizer
+
+    from scripts.export_hf import export_hf
+    from tokenizer import Tokenizer
+    checkpoint_dir = default_checkpoint.parent
+    tiny = tmp_path / "tiny"  # the default model's tokenizer beside a tiny model.pth: the weights are tested above
+    save_random_hf_model(tmp_path / "hf")
+    convert_hf_checkpoint(tmp_path / "hf")
+    tiny.mkdir()
+    shutil.copyfile(tmp_path / "hf" / "model.pth", tiny / "model.pth")
+    shutil.copyfile(tmp_path / "hf" / "config.json", tiny / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(checkpoint_dir / name, tiny / name)
+    exported = export_hf(tiny, tmp_path / "out", dtype="bfloat16")
+    assert json.loads((exported / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."}]
+    theirs = AutoTokenizer.from_pretrained(exported).apply_chat_template(messages, add_generation_prompt=True,
+                                                                         tokenize=True, return_dict=False)
+    assert list(theirs) == Tokenizer.load(checkpoint_dir).encode_chat(messages)
+
+
+def test_export_hf_errors_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/export_hf.py", "--checkpoint_dir", str(tmp_path / "none"),
+                             "--out", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "convert the model first" in result.stderr

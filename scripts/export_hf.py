@@ -1,0 +1,98 @@
+"""Export a checkpoint directory (`model.pth` + config.json + tokenizer files) as a Hugging Face directory.
+
+The inverse of scripts/convert_hf_checkpoint.py, so that a model converted here (from a GGUF or from HF)
+loads in transformers, vLLM or SGLang: `wqkv` is split into q/k/v_proj, q/k rows (and biases) go back
+from model.py's interleaved rotary pairs to HF's half-split layout, and names become HF's. Written:
+`model.safetensors`, `config.json` (with `torch_dtype`), `generation_config.json`, and the tokenizer
+files with the chat template. EAGLE heads need no export: heads/ already holds them in the official layout.
+
+    python scripts/export_hf.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --out exports/smollm2
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import DTYPES, CheckpointError, ModelArgs, interleaved_to_halves  # noqa: E402
+from scripts.convert_hf_checkpoint import GLOBAL_NAMES, LAYER_NAMES  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+
+
+def hf_state_dict(state: dict, config: ModelArgs) -> dict:
+    """model.py's state dict -> HF LlamaForCausalLM names and rotary layout."""
+    to_hf = {ours: hf for hf, ours in GLOBAL_NAMES.items()}
+    layer_to_hf = {ours: hf for hf, ours in LAYER_NAMES.items()}
+    q_rows, kv_rows = config.n_head * config.head_dim, config.n_local_heads * config.head_dim
+    out = {}
+    for name, tensor in state.items():
+        if name in to_hf:
+            out[to_hf[name]] = tensor
+            continue
+        _, layer, rest = name.split(".", 2)
+        prefix = f"model.layers.{layer}."
+        if rest.startswith("attention.wqkv."):
+            kind = rest.rsplit(".", 1)[1]  # weight or bias
+            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+            for proj, rows, heads in (("q", q, config.n_head), ("k", k, config.n_local_heads)):
+                flat = rows if kind == "weight" else rows.unsqueeze(-1)
+                out[f"{prefix}self_attn.{proj}_proj.{kind}"] = \
+                    interleaved_to_halves(flat, heads, config.head_dim).reshape(rows.shape)
+            out[f"{prefix}self_attn.v_proj.{kind}"] = v
+        elif rest in layer_to_hf:
+            out[prefix + layer_to_hf[rest]] = tensor
+        else:
+            raise CheckpointError(f"unexpected tensor {name!r}: export a float model.pth, not a quantized file")
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Write the HF directory out_dir from checkpoint_dir; returns out_dir. dtype: None keeps the weights'."""
+    from safetensors.torch import save_file
+
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = checkpoint_dir / "model.pth"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} not found; convert the model first (scripts/convert_gguf.py or "
+                              "scripts/convert_hf_checkpoint.py)")
+    config_dict = json.loads((checkpoint_dir / "config.json").read_text())
+    config = ModelArgs.from_config(config_dict)
+    state = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+    tensors = hf_state_dict(state, config)
+    if dtype is not None:
+        tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    weight_dtype = next(iter(tensors.values())).dtype
+    config_dict.setdefault("model_type", config_dict["architectures"][0].removesuffix("ForCausalLM").lower())
+    config_dict["torch_dtype"] = {v: k for k, v in DTYPES.items()}[weight_dtype]
+    config_dict.setdefault("head_dim", config.head_dim)
+    (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
+    generation = {k: config_dict[k] for k in ("bos_token_id", "eos_token_id") if config_dict.get(k) is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (checkpoint_dir / name).is_file():
+            shutil.copyfile(checkpoint_dir / name, out_dir / name)
+    return out_dir
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint_dir", type=Path, required=True, help="directory with model.pth and config.json")
+    parser.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: keep model.pth's)")
+    args = parser.parse_args()
+    try:
+        print(export_hf(args.checkpoint_dir, args.out, args.dtype))
+    except (CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
