@@ -1,0 +1,46 @@
+"""scripts/benchmark_peers.py: ours beside vLLM-CPU (vLLM itself lives in .venv-peers, never in the test environment)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.benchmark_peers import main, ratios
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_without_vllm_reports_ours_and_says_how_to_install_the_peer(tmp_path, lean_torch):
+    result = main(["--quick", "--precisions", "fp32", "int4", "--batch_sizes", "1", "2",
+                   "--vllm_python", str(tmp_path / "no-such-python"), "--out", str(tmp_path / "out")])
+    rows = result["summary"]["rows"]
+    assert {(r["precision"], r["method"], r["concurrency"]) for r in rows} == \
+        {(p, m, n) for p in ("fp32", "int4") for m in ("vanilla", "chain-1") for n in (1, 2)}
+    for r in rows:
+        assert r["side"] == "ours" and r["tokens_per_s"] > 0 and len(r["equal_to_reference"]) == 4
+        if r["precision"] == "fp32":  # lossless: every fp32 text, EAGLE or batched, is vanilla's one at a time
+            assert all(r["equal_to_reference"]) and r["divergences"] == []
+    assert all(r["tau"] >= 1 for r in rows if r["method"] == "chain-1")
+    assert result["metadata"]["vllm_skipped"].endswith("install it with `bash scripts/install_peers.sh`")
+    assert len(result["summary"]["ttft_s"]["ours fp32"]) == 1 and result["metadata"]["long_prompt_tokens"][0] >= 600
+    md = (tmp_path / "out" / "benchmark.md").read_text()
+    assert "| ours | fp32 | chain-1 |" in md and "vLLM: not run" in md
+    assert json.loads((tmp_path / "out" / "benchmark.json").read_text())["metadata"]["prompts"] == 4
+
+
+def test_ratios_pair_the_same_precision_and_concurrency():
+    def row(side, precision, method, n, tps):
+        return {"side": side, "precision": precision, "method": method, "concurrency": n, "tokens_per_s": tps}
+    rows = [row("ours", "fp32", "vanilla", 1, 20.0), row("vllm", "fp32", "vanilla", 1, 10.0),
+            row("ours", "fp32", "vanilla", 8, 60.0), row("vllm", "fp32", "vanilla", 8, 120.0),
+            row("ours", "int4", "chain-1", 8, 150.0), row("vllm", "bf16", "vllm-eagle-k1", 8, 100.0)]
+    out = ratios(rows, [1, 8])
+    assert out["fp32 vanilla"] == {"1": 2.0, "8": 0.5}
+    assert "bf16 vanilla" not in out  # no ours bf16 row to pair with
+    assert out["best of each"] == {"1": 2.0, "8": 150.0 / 120.0}
+
+
+def test_bad_arguments_fail_in_one_line():
+    for argv in (["--tree", "no-such-tree"], ["--batch_sizes", "0"]):
+        done = subprocess.run([sys.executable, "scripts/benchmark_peers.py", *argv], cwd=REPO_ROOT,
+                              capture_output=True, text=True)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
