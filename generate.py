@@ -9,97 +9,34 @@ EAGLE cycle (one target forward per cycle; Session._eagle_cycles runs these four
           (tree.py: Tree.draft, EAGLE-1's static tree; DynamicTree.draft, EAGLE-2's) -> a Draft;
   verify  the target runs once over the whole tree under a tree attention mask (verify);
   accept  the longest path the target agrees with (greedy) or that survives the lossless sampling
-          rule, and a bonus token from the target (accept: accept_greedy, accept_sampling);
+          rule, and a bonus token from the target (accept: engine.py's accept_greedy, accept_sampling);
   commit  the accepted path's KV entries move to contiguous cache slots; the head reads the target's
           true features of the accepted tokens (Session.commit).
 The model steps run eagerly or compiled (Steps); CacheWindow decides how many cache slots they read.
+Several sequences at once (--batch_size) run on engine.Engine, the same cycle over rows.
 """
 import argparse
 import json
 import os
 import sys
 import time
-import types
-import warnings
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from eagle_head import EagleHead, load_head
+from engine import (Engine, HeadPrediction, Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens,
+                    check_fits, compile_step, draft_step, head_prediction, sample)
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer, causal_mask
 from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, cpu_family,
                   instruction_set, parse_tree, same_cpu, tree_attention_mask)
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
 REFERENCE_PROFILES = DEFAULT_HEAD / "cost_profiles"  # profile_costs.py's JSON from each kind of machine measured
-
-
-class UsageError(ValueError):
-    """Bad command-line input; the message says what to do."""
-
-
-# ---------------------------------------------------------------- sampling
-TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def probs(self, logits: Tensor) -> Tensor:
-        """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
-        logits = logits.float() / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(-1)
-        if self.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
-            top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
-            if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > self.top_p).all()):
-                top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
-            kept = (top.cumsum(-1) - top <= self.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
-            probs = probs.masked_fill(probs < top.gather(-1, kept - 1), 0.0)  # ties at the cut stay
-            probs = probs / probs.sum(-1, keepdim=True)
-        return probs
-
-    @staticmethod
-    def draw(probs: Tensor, k: int = 1) -> Tensor:
-        """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw order
-        [..., k], by inverse CDF: one uniform number per draw, where torch.multinomial draws V exponentials
-        per row (milliseconds on a CPU at V = 49152). A row's draws past its non-zero entries are V - 1."""
-        rows = probs.reshape(-1, probs.shape[-1]).double()
-        out = []
-        for j in range(k):
-            cdf = rows.cumsum(-1)
-            u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-            index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
-            out.append(index)
-            if j + 1 < k:
-                rows = rows.scatter(1, index, 0.0)
-        return torch.cat(out, -1).view(*probs.shape[:-1], k)
-
-
-def argmax_tokens(logits: Tensor) -> Tensor:
-    """The greedy token per row of logits [..., vocab]."""
-    return logits.float().argmax(-1)  # same index; on CPU a bfloat16 argmax costs 4x a float one
-
-
-def sample(logits: Tensor, s: Sampling) -> Tensor:
-    """A token id per row of logits [..., vocab]."""
-    if s.greedy:
-        return argmax_tokens(logits)
-    return s.draw(s.probs(logits))[..., 0]
 
 
 # ---------------------------------------------------------------- model steps (eager, or compiled by Steps)
@@ -120,28 +57,6 @@ def verify(target: Transformer, node_tokens: Tensor, base: Tensor, depths: Tenso
     input_pos = base + torch.arange(node_tokens.shape[-1], device=node_tokens.device)
     logits, features = target(node_tokens.view(1, -1), input_pos, mask=mask, rope_pos=base + depths)
     return (argmax_tokens(logits[0]) if greedy else logits[0]), features
-
-
-class HeadPrediction(NamedTuple):
-    """The head's output for the m nodes it was fed."""
-    hidden: Tensor  # [1, m, dim] predicted features
-    logits: Tensor  # [1, m, draft vocab]
-    top_logp: Tensor  # [1, m, k] the k best draft log-probs
-    top_tokens: Tensor  # [1, m, k] and their token ids
-
-
-def head_prediction(head: EagleHead, hidden: Tensor, k: int) -> HeadPrediction:
-    """The draft distribution of predicted features and its top k (k = 1: a max, half a topk's time here)."""
-    logits = head.draft_logits(hidden)
-    logp = logits.float().log_softmax(-1)
-    top_logp, top_index = logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
-    return HeadPrediction(hidden, logits, top_logp, head.token_ids(top_index))
-
-
-def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
-               input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int) -> HeadPrediction:
-    """Head forward on draft nodes: tokens [1, m] paired with their parents' features [1, m, dim]."""
-    return head_prediction(head, head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos), k)
 
 
 def head_extend(target: Transformer, head: EagleHead, next_tokens: Tensor, features: Tensor,
@@ -174,46 +89,6 @@ class Steps:
         return cls(lambda f: compile_step(f, inductor_config, **fixed, **options),
                    (lambda f: compile_step(f, inductor_config, fullgraph=True, dynamic=True, **options))
                    if prefill_too else None)
-
-
-def without_global_state_guard(guards) -> list:
-    """Dynamo's guard_filter_fn: keep every guard of a compiled step but the global-state one. That guard holds
-    torch.get_num_threads() among grad mode, autocast and the default dtype, so each change of the thread count
-    (the ThreadGovernor's, under load) recompiled every step in the middle of a generation: tens of seconds a
-    step with frozen, autotuned graphs (a first run went 0.9 tokens/s, issue 29). A step's inductor kernels
-    follow the thread count at run time anyway when compiled for every core (see warm_up). The rest of that state
-    is fixed for the steps: Session runs them under torch.no_grad(), never under autocast."""
-    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
-
-
-def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options) -> Callable:
-    """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
-    the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
-    not honoured, and without frozen weights the max-autotune GEMM templates are never used (issue 29: the
-    compiled code then holds no _frozen_param; the patch costs ~30 us a call). With inductor_config, f is compiled
-    as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
-    would otherwise hand this step the graph a default compile of the same function made earlier in the process
-    (as when the benchmark runs both)."""
-    if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
-        options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
-    if not inductor_config:
-        return torch.compile(f, **options)
-    tag = zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode())  # one code object per setting
-    f = types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag:08x}"), f.__globals__, f.__name__,
-                           f.__defaults__, f.__closure__)
-    compiled = torch.compile(f, **options)
-    # quiet: the autotuner prints every timing table to stderr (PRINT_AUTOTUNE, a module flag, and the choices'
-    # stats) and reads a tensor's storage(), whose deprecation warning is torch's own, not the user's
-    import torch._inductor.select_algorithm as select_algorithm
-
-    select_algorithm.PRINT_AUTOTUNE = False
-    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-    settings = {**inductor_config, "max_autotune_report_choices_stats": False}
-
-    def run(*args, **kwargs):
-        with torch._inductor.config.patch(settings):
-            return compiled(*args, **kwargs)
-    return run
 
 
 EAGER = Steps()
@@ -355,15 +230,6 @@ class Stats:
         """Fraction of cycles whose accepted path reached depth d, d = 1..max_depth."""
         n = max(1, len(self.accept_lengths))
         return [sum(a >= d for a in self.accept_lengths) / n for d in range(1, max_depth + 1)]
-
-
-def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int):
-    """A prompt a session of max_seq_len tokens can answer, or a UsageError that says what to change."""
-    if prompt_len == 0:
-        raise UsageError("the prompt is empty; give some text with --prompt")
-    if prompt_len + max_new_tokens > max_seq_len:
-        raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"--max_seq_len {max_seq_len}; raise --max_seq_len or shorten the prompt")
 
 
 class Session:
@@ -520,67 +386,6 @@ def accept(draft: Draft, out: Tensor, sampling: Sampling):
                            draft.lookup_from)
 
 
-def accept_greedy(tokens: list, choice: list, parents: list):
-    """The deepest node whose whole root path equals the target's greedy token at each step; choice[i]
-    is the target's greedy token after node i, parents precede children. (A context branch may repeat a
-    head node's token: then two paths match, and the deeper one, either is correct, is taken.)
-    Returns (accepted node indices, root first; bonus token = the target's choice after the last)."""
-    accepted, depth, deepest = [True] + [False] * (len(tokens) - 1), [0] * len(tokens), 0
-    for i in range(1, len(tokens)):
-        if accepted[parents[i]] and tokens[i] == choice[parents[i]]:
-            accepted[i], depth[i] = True, depth[parents[i]] + 1
-            deepest = i if depth[i] > depth[deepest] else deepest
-    path = [deepest]
-    while path[-1]:
-        path.append(parents[path[-1]])
-    return path[::-1], choice[deepest]
-
-
-def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Sampling,
-                    draft_probs: Optional[Tensor] = None, lookup_from: Optional[int] = None):
-    """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
-
-    Round j tries the current node's j-th child x_j with proposal q_j against the current target r (at
-    first r = p): accept with probability min(1, r(x_j) / q_j(x_j)); on rejection r becomes
-    norm(max(0, r - q_j)). q_j is q = draft_probs[node] with the earlier children removed, renormalised
-    (static trees at temperature > 0 draw children without replacement from q), or one-hot delta(x_j),
-    where r - q_j zeroes r(x_j): the dynamic tree's best tokens (draft_probs None) and context nodes
-    (index >= lookup_from, tried after the head's children). If every child is rejected, the bonus token
-    is drawn from the final r. Each round is a speculative-sampling step whose output law is exactly r for
-    any proposal, so every committed token follows the target p (temperature / top-k / top-p as in
-    vanilla sampling). A child with q_j(x_j) = 0 (q cut short by top-k / top-p and used up) is skipped.
-    tokens[i]: node i's token; children[i]: its children in the order tried; logits [n, V]: the target's
-    after each node.
-    """
-    probs = sampling.probs(logits).cpu()  # [n, V]
-    draft_probs = None if draft_probs is None else draft_probs.cpu()
-    path, node = [0], 0
-    while True:
-        r = probs[node]
-        q = None if draft_probs is None else draft_probs[node]
-        for child in children[node]:
-            x = tokens[child]
-            if q is None or (lookup_from is not None and child >= lookup_from):
-                if torch.rand(()) < r[x]:
-                    break
-                r = r.clone()
-                r[x] = 0.0
-            else:
-                if q[x] <= 0.0:
-                    continue
-                if torch.rand(()) * q[x] < r[x]:
-                    break
-                r = (r - q).clamp_min(0.0)
-                q = q.clone()
-                q[x] = 0.0
-                q = q / q.sum().clamp_min(1e-30)
-            r = r / r.sum()
-        else:
-            return path, int(sampling.draw(r))
-        path.append(child)
-        node = child
-
-
 # ---------------------------------------------------------------- command line
 def load(args):
     """Target, tokenizer and (with --eagle) head and tree, as the arguments ask."""
@@ -619,9 +424,8 @@ def load(args):
     else:
         model = Transformer.from_checkpoint(checkpoint, device=args.device, dtype=dtype)
     tokenizer, head = Tokenizer.load(checkpoint.parent), None
-    compiled = args.compile or args.compile_prefill  # batched.py compiles its own steps
-    args.compile_kind = compile_kind(args.autotune, model, args.device) if compiled and args.batch_size == 1 \
-        else "default"
+    compiled = args.compile or args.compile_prefill
+    args.compile_kind = compile_kind(args.autotune, model, args.device) if compiled else "default"
     if args.eagle:
         head = load_head(head_dir, device=args.device, dtype=model.tok_embeddings.weight.dtype)
         head.check_fits(model.config, model.config.vocab_size)
@@ -876,8 +680,8 @@ def streamer(tokenizer, governor: Optional[ThreadGovernor] = None):
     return stream
 
 
-def warm_up(session: Session, prompt: list, sampling: Sampling, governor: Optional[ThreadGovernor] = None):
-    """Run one short generation so that torch.compile builds every graph now, and say how long it took and
+def warm_up(run: Callable, governor: Optional[ThreadGovernor] = None):
+    """Call run() (one short generation) so that torch.compile builds every graph now, and say how long it took and
     how many graphs came from inductor's on-disk cache (a second run of the same command reuses them). With the
     governor, inductor compiles its kernels for every core (a kernel compiled at one thread has no parallel
     loop); they then run at whatever count the governor sets, and the load the compiler made is forgotten."""
@@ -887,8 +691,7 @@ def warm_up(session: Session, prompt: list, sampling: Sampling, governor: Option
     start, threads = time.perf_counter(), torch.get_num_threads()
     if governor is not None:
         torch.set_num_threads(governor.cpus)
-    session.generate(prompt, 8, sampling)
-    session.reset()
+    run()
     if governor is not None:
         torch.set_num_threads(threads)
         governor.forget()
@@ -923,6 +726,28 @@ def chat(session: Session, tokenizer, args, sampling: Sampling, governor: Option
         messages.append({"role": "assistant", "content": tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])})
 
 
+def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, prompts: list, args,
+                sampling: Sampling, governor: Optional[ThreadGovernor] = None):
+    """--batch_size B: every prompt --num_samples times on the engine, B sequences at a time (a finished row takes
+    the next sample at once); compiled, after a warm-up, so that the throughput leaves the compile out. Prints
+    each text, then the throughput and (EAGLE) each sample's tau."""
+    jobs = [(i, s) for i in range(len(prompts)) for s in range(args.num_samples)]
+    longest = max(map(len, prompts)) + args.max_new_tokens
+    engine = Engine(model, min(args.max_seq_len, longest), args.batch_size, head, tree, compile=args.compile,
+                    inductor_config=COMPILE_KINDS[args.compile_kind])
+    if args.compile:
+        warm_up(lambda: engine.generate(prompts[:1], 8, sampling, tokenizer.stop_ids), governor)
+    outs, stats = engine.generate([prompts[i] for i, _ in jobs], args.max_new_tokens, sampling, tokenizer.stop_ids)
+    for (i, s), out in zip(jobs, outs):
+        text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])
+        print(f"[prompt {i + 1}, sample {s + 1}] {text}", flush=True)
+    line = (f"batch of {args.batch_size}, {len(jobs)} sequences: {sum(stats.new_tokens)} tokens in "
+            f"{stats.total_s:.2f} s: {stats.tokens_per_s:.1f} tokens/s, {stats.target_forwards} target forwards")
+    if head is not None:
+        line += "\n  tau per sequence " + " ".join(f"{stats.tau(r):.2f}" for r in range(len(jobs)))
+    print(line, file=sys.stderr)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Vanilla and EAGLE speculative generation (LLaMA family).")
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
@@ -937,7 +762,7 @@ def parse_args(argv=None):
     p.add_argument("--system", help="system prompt for --chat / --chat_template")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (batched.py): the "
+    p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (engine.py): the "
                    "prompts x samples run this many at a time, a finished row taking the next at once")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int)
@@ -1012,7 +837,9 @@ def main(argv=None):
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps)
         if compiled:
-            warm_up(session, tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), sampling, governor)
+            warm_up(lambda: session.generate(tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), 8, sampling),
+                    governor)
+            session.reset()
         return chat(session, tokenizer, args, sampling, governor)
     templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
 
@@ -1023,12 +850,12 @@ def main(argv=None):
 
     prompts = [encode(text) for text in args.prompt]
     if args.batch_size > 1:
-        from batched import run_batches
-        return run_batches(model, head, tree, tokenizer, prompts, args, sampling)
+        return run_batches(model, head, tree, tokenizer, prompts, args, sampling, governor)
     # a cache no longer than the prompts need: attention reads every cache slot
     session = Session(model, min(args.max_seq_len, max(map(len, prompts)) + args.max_new_tokens), head, tree, steps)
     if compiled:
-        warm_up(session, prompts[0], sampling, governor)
+        warm_up(lambda: session.generate(prompts[0], 8, sampling), governor)
+        session.reset()
     for text, prompt in zip(args.prompt, prompts):
         for i in range(args.num_samples):
             session.reset()  # each sample starts from a fresh prefill, so timings compare

@@ -6,7 +6,7 @@
 
 Protocol:
 - prompts: the first turns of the MT-bench questions (chat template), --max_new_tokens each, greedy by default;
-- per batch size B: a vanilla batched.BatchedSession and an EAGLE one, both continuous batching (a finished row
+- per batch size B: a vanilla engine.Engine and an EAGLE one, both continuous batching (a finished row
   takes the next prompt at once); the EAGLE tree is --tree, by default what `generate.py --batch_size B --tree
   auto` takes (this machine's cost profile or quick calibration at batch B; its predicted tau and speedup are
   recorded);
@@ -46,12 +46,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import generate  # noqa: E402
 import quantize  # noqa: E402
-from batched import BatchedSession  # noqa: E402
+from engine import Engine  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import causal_mask  # noqa: E402
-from scripts.benchmark import (DTYPES, build_quick_checkpoint, default_out, git_state, head_record, json_safe,  # noqa: E402
-                               load_dataset, load_target, machine_info, read_questions, render, repo_relative,
-                               select_questions, tensor_mb)
+from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, git_state, head_record, json_safe,  # noqa: E402
+                                  load_dataset, load_target, machine_info, read_questions, render, repo_relative,
+                                  select_questions, tensor_mb)
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 
@@ -92,13 +92,13 @@ def parse_args(argv=None):
     return args
 
 
-def row_mb(session: BatchedSession) -> float:
+def row_mb(session: Engine) -> float:
     """Memory a batch row adds: its KV cache rows (target and head)."""
     caches = session.model.kv_caches() + (session.head.kv_caches() if session.head is not None else [])
     return sum(t.numel() * t.element_size() for c in caches for t in (c.k_cache, c.v_cache)) / session.batch_size / 2**20
 
 
-def memory(session: BatchedSession) -> dict:
+def memory(session: Engine) -> dict:
     total = tensor_mb(session.model, *([session.head] if session.head is not None else []))
     per_row = row_mb(session)
     return {"total_mb": total, "per_row_mb": per_row, "fixed_mb": total - per_row * session.batch_size}
@@ -109,7 +109,7 @@ def largest_fit(mem: dict, budget_mb: float) -> int:
     return max(0, int((budget_mb - mem["fixed_mb"]) // mem["per_row_mb"]))
 
 
-def run_group(session: BatchedSession, prompts: list, args, sampling, stop_ids) -> dict:
+def run_group(session: Engine, prompts: list, args, sampling, stop_ids) -> dict:
     torch.manual_seed(args.seed)
     outs, stats = session.generate(prompts, args.max_new_tokens, sampling, stop_ids)
     cycles = sum(len(a) for a in stats.accept_lengths)
@@ -224,8 +224,8 @@ def run(args, argv) -> dict:
             predicted[b] = {"tau": choice.tau, "speedup": choice.speedup} if choice else None
         else:
             trees[b], predicted[b] = args.tree, None
-        sessions[b, "vanilla"] = BatchedSession(model, max_seq_len, b, compile=compiled)
-        sessions[b, "eagle"] = BatchedSession(model, max_seq_len, b, head, parse_tree(trees[b]), compile=compiled)
+        sessions[b, "vanilla"] = Engine(model, max_seq_len, b, compile=compiled)
+        sessions[b, "eagle"] = Engine(model, max_seq_len, b, head, parse_tree(trees[b]), compile=compiled)
     # one cache length for every session (the largest), so switching batch sizes reallocates rows only
     cache_len = max(s.cache_len for s in sessions.values())
     head_len = max(s.head_cache_len for s in sessions.values() if s.head_cache_len)

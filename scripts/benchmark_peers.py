@@ -7,7 +7,7 @@
 Protocol:
 - prompts: the first turns of the MT-bench questions in the checkpoint's chat template, as token ids, greedy,
   --max_new_tokens each; both sides get the same ids and stop at the same stop tokens;
-- ours: a batched.BatchedSession per (precision, N, vanilla / EAGLE with --tree), compiled, warmed up, then
+- ours: an engine.Engine per (precision, N, vanilla / EAGLE with --tree), compiled, warmed up, then
   timed over all prompts with at most N in flight (continuous batching), at --threads;
 - vLLM: scripts/peer_vllm.py in the peers' environment (--vllm_python), on the model exported by
   scripts/export_hf.py and our shipped head as its EAGLE drafter (k = --vllm_ks draft tokens), fp32 and bf16, its
@@ -16,7 +16,7 @@ Protocol:
 - tokens/s = all new tokens / wall time of the pass (prefills included); --repeats passes, the median;
 - greedy equality: every text against ours fp32 vanilla one at a time, per prompt; where an fp32 text leaves
   it, the gap between our target's two best logits there (benchmark_batch.divergence);
-- time to first token: --long_prompts held-out ShareGPT first turns of 600-1000 tokens (train_eagle.HELD_OUT:
+- time to first token: --long_prompts held-out ShareGPT first turns of 600-1000 tokens (make_data.HELD_OUT:
   never trained on), one at a time: ours (eager prefill) and vLLM's, at each precision.
 
 Writes <out>/benchmark.json and benchmark.md (default out: results/<date>-<machine>-peers).
@@ -32,6 +32,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm import tqdm
@@ -40,10 +41,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import generate  # noqa: E402
 import quantize  # noqa: E402
-from batched import BatchedSession  # noqa: E402
+from engine import Engine  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
-from scripts.benchmark import (DTYPES, build_quick_checkpoint, default_out, git_state, json_safe, load_dataset,  # noqa: E402
-                               load_target, machine_info, render, repo_relative, select_questions)
+from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, git_state, json_safe, load_dataset,  # noqa: E402
+                                  load_target, machine_info, render, repo_relative, select_questions)
 from scripts.benchmark_batch import divergence  # noqa: E402
 from scripts.export_hf import export_hf  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -88,7 +89,7 @@ def parse_args(argv=None):
 
 def long_prompts(tokenizer: Tokenizer, count: int, lo: int = 600, hi: int = 1000) -> list:
     """The first `count` held-out ShareGPT first turns whose prompt is lo..hi tokens (never trained on)."""
-    from scripts.train_eagle import HELD_OUT, sharegpt_conversations
+    from scripts.make_data import HELD_OUT, sharegpt_conversations
     found = []
     for messages in sharegpt_conversations(HELD_OUT):
         ids = tokenizer.encode_chat(messages[:1])
@@ -104,7 +105,7 @@ def tokens_per_s(new_tokens: int, wall_s: float) -> float:
 
 
 def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, longs: list, stop_ids) -> dict:
-    """Our batched sessions at one precision: {"runs": [...], "ttft_s": [...], "warmup_s": {...}}."""
+    """Our engines at one precision: {"runs": [...], "ttft_s": [...], "warmup_s": {...}}."""
     model = load_target(checkpoint, precision, "cpu")
     head = EagleHead.load(head_dir, dtype=DTYPES[precision])
     quantize.quantize_head_like(head, model)
@@ -112,8 +113,8 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
     sampling = generate.Sampling(0.0)
     sessions = {}
     for n in args.batch_sizes:
-        sessions[n, "vanilla"] = BatchedSession(model, max_seq_len, n, compile=not args.quick)
-        sessions[n, "eagle"] = BatchedSession(model, max_seq_len, n, head, parse_tree(args.tree), compile=not args.quick)
+        sessions[n, "vanilla"] = Engine(model, max_seq_len, n, compile=not args.quick)
+        sessions[n, "eagle"] = Engine(model, max_seq_len, n, head, parse_tree(args.tree), compile=not args.quick)
     cache_len = max(s.cache_len for s in sessions.values())
     head_len = max(s.head_cache_len for s in sessions.values() if s.head_cache_len)
     for s in sessions.values():
@@ -131,6 +132,7 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
             runs.append({"repeat": repeat, "concurrency": n, "method": "vanilla" if method == "vanilla" else args.tree,
                          "wall_s": stats.total_s, "outs": outs,
                          "tau": sum(sum(a) + len(a) for a in stats.accept_lengths) / cycles if cycles else None})
+            print(f"ours {precision} N={n} {runs[-1]['method']}: {stats.tokens_per_s:.1f} tokens/s", file=sys.stderr)
     ttft = []
     for ids in longs:  # one at a time: the prefill and the first token
         start = time.perf_counter()
@@ -158,6 +160,8 @@ def vllm(args, hf_dir: Path, head_dir: Path, precision: str, k: int, prompts: li
         raise RuntimeError(f"vLLM {precision} k={k} failed ({tail[0][:300]}); its log: {log_path}")
     result = json.loads(result_path.read_text())
     result["process_s"] = time.perf_counter() - start
+    print(f"vLLM {precision} k={k}: " + ", ".join(f"N={r['concurrency']} {sum(map(len, r['outs'])) / r['wall_s']:.1f}"
+                                                for r in result["runs"]) + " tokens/s", file=sys.stderr)
     for r in result["runs"]:
         r["method"] = f"vllm-eagle-k{k}" if k else "vanilla"
     return result
@@ -212,6 +216,8 @@ def markdown(result: dict) -> str:
     if result["summary"].get("ttft_s"):
         lines += ["", f"Time to first token, {m['long_prompt_tokens']} prompt tokens, one at a time (median s):", ""]
         lines += [f"- {name}: {statistics.median(v):.2f}" for name, v in result["summary"]["ttft_s"].items()]
+    if m.get("unfinished"):
+        lines += ["", f"**Unfinished run**: stopped {m['unfinished']}."]
     if m.get("vllm_skipped"):
         lines += ["", f"vLLM: not run ({m['vllm_skipped']})."]
     return "\n".join(lines) + "\n"
@@ -247,7 +253,29 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
     hf_dir = None if skipped else export_hf(checkpoint.parent, work / "hf")
     rows, ttft, warmups, reference, fp32_model = [], {}, {}, None, None
-    for precision in sorted(args.precisions, key=["fp32", "bf16", "int4"].index):  # fp32 first: the reference
+    command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
+
+    def write(unfinished: Optional[str]) -> dict:
+        """The results so far (after every configuration, so a run stopped midway keeps what it measured)."""
+        result = json_safe({
+            "metadata": {"date": date.today().isoformat(), "command": command, "machine": info, "git": git_state(),
+                         "threads": args.threads, "vllm_core": args.vllm_core, "vllm_skipped": skipped,
+                         "unfinished": unfinished,
+                         "checkpoint": "tiny random model (--quick)" if args.quick else repo_relative(checkpoint),
+                         "head": "tiny random head (--quick)" if args.quick else repo_relative(head_dir),
+                         "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+                         "vllm_ks": args.vllm_ks, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
+                         "long_prompt_tokens": [len(p) for p in longs], "warmup_s": warmups,
+                         "wall_s": round(time.perf_counter() - started, 1)},
+            "summary": {"rows": rows, "ours_over_vllm": ratios(rows, args.batch_sizes), "ttft_s": ttft}})
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "benchmark.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+        (out / "benchmark.md").write_text(markdown(result))
+        return result
+
+    # fp32 first (its vanilla text one at a time is the reference), then the others in the order given
+    precisions = sorted(dict.fromkeys(args.precisions), key=lambda p: p != "fp32")
+    for precision in precisions:
         result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
         if reference is None:
             reference = next(r["outs"] for r in result["runs"] if r["method"] == "vanilla"
@@ -257,6 +285,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
             fp32_model = model
         rows += summarize("ours", precision, result, reference, fp32_model if precision == "fp32" else None, prompts)
         ttft[f"ours {precision}"], warmups[f"ours {precision}"] = result["ttft_s"], result["warmup_s"]
+        write(f"after ours {precision}")
         if skipped or precision not in VLLM_DTYPES:
             continue
         for k in [0] + list(args.vllm_ks):
@@ -268,20 +297,8 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
                 ttft[f"vllm {precision}"] = peer["ttft_s"]
             if peer.get("spec_decode"):
                 rows[-1]["spec_decode"] = peer["spec_decode"]
-    command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
-    result = json_safe({
-        "metadata": {"date": date.today().isoformat(), "command": command, "machine": info, "git": git_state(),
-                     "threads": args.threads, "vllm_core": args.vllm_core, "vllm_skipped": skipped,
-                     "checkpoint": "tiny random model (--quick)" if args.quick else repo_relative(checkpoint),
-                     "head": "tiny random head (--quick)" if args.quick else repo_relative(head_dir),
-                     "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
-                     "vllm_ks": args.vllm_ks, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
-                     "long_prompt_tokens": [len(p) for p in longs], "warmup_s": warmups,
-                     "wall_s": round(time.perf_counter() - started, 1)},
-        "summary": {"rows": rows, "ours_over_vllm": ratios(rows, args.batch_sizes), "ttft_s": ttft}})
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "benchmark.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    (out / "benchmark.md").write_text(markdown(result))
+            write(f"after vllm {precision} k={k}")
+    result = write(None)
     print(markdown(result), file=sys.stderr)
     print(f"wrote benchmark.json and benchmark.md to {out}", file=sys.stderr)
     return result

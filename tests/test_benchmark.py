@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import generate
-from scripts import benchmark
+from scripts import bench_common, benchmark
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUICK_TREES = {"chain-5": (6, 5), "paper": (26, 5), "dynamic-4-3-8": (9, 3)}  # tree -> (nodes, depth)
@@ -326,7 +326,7 @@ def test_paths_under_the_repository_are_written_relative_to_it(tmp_path):
 
 
 def test_default_out_is_a_new_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(benchmark, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(bench_common, "REPO_ROOT", tmp_path)
     info = {"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"}
     first = benchmark.default_out(info, quick=False)
     assert first.parent == tmp_path / "results" and first.name.endswith("-amd-epyc-2cpu-avx2")
@@ -343,7 +343,7 @@ def test_instruction_set_names_the_widest_matmul_instruction_set():
     assert instruction_set("flags : fpu sse avx2 fma\n") == "avx2"
     assert instruction_set("processor : 0\n") == (platform.machine() or "unknown")
     assert instruction_set("flags : fpu avx2\nvmx flags : avx512f\n") == "avx2"  # the CPU's own flags only
-    slug = benchmark.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
+    slug = bench_common.machine_slug({"processor": "AMD EPYC", "cpu_affinity": 2, "cpu_count": 2, "isa": "avx2"})
     assert slug == "amd-epyc-2cpu-avx2"
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
+import engine
 import generate
 from eagle_head import Eagle3Head, EagleHead
 from generate import DEFAULT_HEAD, Sampling, Session, UsageError
@@ -445,7 +446,7 @@ def test_verifier_emits_target_distribution(config):
 def test_top_p_keeps_the_nucleus(candidates, monkeypatch):
     """Sampling.probs keeps token x iff the tokens more probable than x hold at most top_p of the mass
     (so ties at the cut stay), whichever path (top candidates or full sort) finds the cut."""
-    monkeypatch.setattr(generate, "TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(engine, "TOP_P_CANDIDATES", candidates)
     torch.manual_seed(0)
     logits = torch.randn(40, 50) * torch.linspace(0.3, 6, 40)[:, None]
     logits[0, :4] = logits[0].max() + 1  # a four-way tie at the top: a cut inside it keeps all four

@@ -1,13 +1,14 @@
-"""batched.py: B sequences per cycle give each row what a single-sequence Session gives it (greedy, fp32), and
-the sampled rows follow the target's law (G-tests, failing with a broken verifier)."""
+"""engine.py: B rows per cycle give each request what a single-sequence Session gives it (greedy, fp32), whatever
+its neighbours sample and whenever requests join, finish or are cancelled, and the sampled rows follow the target's
+law (G-tests, failing with a broken verifier)."""
 import collections
 
 import pytest
 import torch
 
-import batched
-from batched import BatchedSession
-from generate import Sampling, Session, UsageError
+import engine
+from engine import Engine
+from generate import COMPILE_KINDS, Sampling, Session, UsageError
 from test_eagle import (CUSTOM_TREE, E2E_PROMPT, E2E_VOCAB, MAIN_E2E, P_BROKEN, P_PASS, SAMPLING_CONFIGS, VerifierLog,
                         accept_sampling_without_residual, copycat_head, first_tokens_law, g_test, tiny_prompts,
                         tiny_target)
@@ -50,8 +51,8 @@ def test_batched_greedy_equals_single_sequences(spec):
     stop = {stop_token_of(plain)}
     ref, ref_accepts = session_outputs(model, head, spec, prompts, n, stop)
     assert len(ref[0]) < n and any(len(r) == n for r in ref[1:])  # the rows finish at different steps
-    session = BatchedSession(model, max(map(len, prompts)) + n, 4, head, None if spec is None else parse_tree(spec))
-    out, stats = session.generate(prompts, n, Sampling(), stop)
+    eng = Engine(model, max(map(len, prompts)) + n, 4, head, None if spec is None else parse_tree(spec))
+    out, stats = eng.generate(prompts, n, Sampling(), stop)
     assert out == ref
     assert stats.new_tokens == [len(r) for r in ref]
     if spec is not None:  # the same drafts as each row's own session: the same acceptances, cycle by cycle
@@ -71,8 +72,8 @@ def test_finished_rows_are_refilled(spec):
     stop = {stop_token_of(plain), plain[4][0]}  # prompt 5 ends at its first token
     ref, ref_accepts = session_outputs(model, head, spec, prompts, n, stop)
     assert len(ref[4]) == 1 and len({len(r) for r in ref}) > 2
-    session = BatchedSession(model, max(map(len, prompts)) + n, 3, head, None if spec is None else parse_tree(spec))
-    out, stats = session.generate(prompts, n, Sampling(), stop)
+    eng = Engine(model, max(map(len, prompts)) + n, 3, head, None if spec is None else parse_tree(spec))
+    out, stats = eng.generate(prompts, n, Sampling(), stop)
     assert out == ref
     if spec is not None:
         assert stats.accept_lengths == ref_accepts
@@ -81,52 +82,53 @@ def test_finished_rows_are_refilled(spec):
     assert stats.target_forwards < in_batches
 
 
-def test_sessions_of_other_batch_sizes_share_a_model():
-    """Sessions of batch 2 and 3 (vanilla and EAGLE) on one model, called in turn: each call sets the shared
-    caches up for its own batch (a session sharing the model with another reallocates nothing it fits)."""
+def test_engines_of_other_batch_sizes_share_a_model():
+    """Engines of batch 2 and 3 (vanilla and EAGLE) on one model, called in turn: each call sets the shared
+    caches up for its own batch (an engine sharing the model with another reallocates nothing it fits)."""
     model = tiny_target()
     head = copycat_head(model, noise=HEAD_NOISE)
     prompts, n = tiny_prompts(4, model.config.vocab_size, seed=8), 10
     ref = session_outputs(model, head, "paper", prompts, n, frozenset())[0]
-    sessions = [BatchedSession(model, 12 + n, b, h, t) for b in (2, 3) for h, t in ((None, None), (head, parse_tree("paper")))]
+    engines = [Engine(model, 12 + n, b, h, t) for b in (2, 3) for h, t in ((None, None), (head, parse_tree("paper")))]
     for _ in range(2):
-        for s in sessions:
+        for s in engines:
             assert s.generate(prompts, n, Sampling())[0] == ref
             assert model.max_batch_size == s.batch_size
 
 
-@pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12"])
-def test_compiled_batched_session_does_not_recompile(spec):
-    """Compiled steps give the eager tokens; after a warm-up batch, batches of other prompts (rows advancing and
-    finishing at their own steps) compile nothing new."""
+@pytest.mark.parametrize("spec, kind", [(None, "default"), ("paper", "default"), ("dynamic-4-4-12", "default"),
+                                        ("paper", "frozen")])
+def test_compiled_engine_does_not_recompile(spec, kind):
+    """Compiled steps (by default, or with the weights frozen into the graphs) give the eager tokens; after a
+    warm-up batch, batches of other prompts (rows advancing and finishing at their own steps) compile nothing new."""
     model = tiny_target()
     head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
     tree = None if spec is None else parse_tree(spec)
     n = 16
     warm, prompts = tiny_prompts(3, model.config.vocab_size, seed=5), tiny_prompts(3, model.config.vocab_size, seed=6)
-    eager = BatchedSession(model, 12 + n, 4, head, tree).generate(prompts, n, Sampling(), {7})[0]
+    eager = Engine(model, 12 + n, 4, head, tree).generate(prompts, n, Sampling(), {7})[0]
     warm_ref = session_outputs(model, head, spec, warm, n, {7})[0]
     torch._dynamo.reset()
-    session = BatchedSession(model, 12 + n, 4, head, tree, compile=True)
-    session.generate(warm, n, Sampling(), {7})
+    eng = Engine(model, 12 + n, 4, head, tree, compile=True, inductor_config=COMPILE_KINDS[kind])
+    eng.generate(warm, n, Sampling(), {7})
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert session.generate(prompts, n, Sampling(), {7})[0] == eager
-        assert session.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
+        assert eng.generate(prompts, n, Sampling(), {7})[0] == eager
+        assert eng.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
         # more prompts than rows: finished rows are refilled
-        assert session.generate(prompts + warm, n, Sampling(), {7})[0] == eager + warm_ref
+        assert eng.generate(prompts + warm, n, Sampling(), {7})[0] == eager + warm_ref
 
 
-def test_batched_session_refuses_bad_input():
+def test_engine_refuses_bad_input():
     model = tiny_target()
     with pytest.raises(UsageError, match="needs a tree"):
-        BatchedSession(model, 32, 2, copycat_head(model), None)
-    session = BatchedSession(model, 32, 2)
+        Engine(model, 32, 2, copycat_head(model), None)
+    eng = Engine(model, 32, 2)
     with pytest.raises(UsageError, match="no prompts"):
-        session.generate([], 4, Sampling())
+        eng.generate([], 4, Sampling())
     with pytest.raises(UsageError, match="empty"):
-        session.generate([[1], []], 4, Sampling())
+        eng.generate([[1], []], 4, Sampling())
     with pytest.raises(UsageError, match="max_seq_len"):
-        session.generate([[1] * 30], 4, Sampling())
+        eng.generate([[1] * 30], 4, Sampling())
 
 
 # ---------------------------------------------------------------- sampling: the target's law in every row
@@ -134,28 +136,36 @@ BATCH_SAMPLES = 12_000  # sampled rows in all, half per prompt
 OTHER_PROMPT = [3, 6, 1, 1, 4]
 
 
-def batched_sampling(config, verifier, monkeypatch, seed=0):
-    """G-test p-values of the first three new tokens of rows of two prompts (alternating in a batch of 4),
-    one generate call per batch, and the verifier's counts."""
+def batched_sampling(config, verifier, monkeypatch, seed=0, greedy_neighbours=False):
+    """G-test p-values of the first three new tokens of rows of two prompts (alternating in a batch of 4; with
+    greedy_neighbours, two of the four rows decode greedily beside them, and must give their greedy text), and
+    the verifier's counts."""
     spec, sampling = SAMPLING_CONFIGS[config]
     model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
     head = copycat_head(model)
     prompts = [E2E_PROMPT, OTHER_PROMPT] * 2
     laws = [first_tokens_law(model, p, sampling) for p in prompts[:2]]
+    settings = [sampling, sampling, Sampling(), Sampling()] if greedy_neighbours else [sampling] * 4
+    greedy_text = session_outputs(model, head, spec, prompts[2:], 3, frozenset())[0]
     log = VerifierLog(verifier)
-    monkeypatch.setattr(batched, "accept_sampling", log)
-    session = BatchedSession(model, len(OTHER_PROMPT) + 3, len(prompts), head, parse_tree(spec))
+    monkeypatch.setattr(engine, "accept_sampling", log)
+    eng = Engine(model, len(OTHER_PROMPT) + 3, len(prompts), head, parse_tree(spec))
     torch.manual_seed(seed)
     observed = [collections.Counter(), collections.Counter()]
-    for _ in range(BATCH_SAMPLES // len(prompts)):
-        outs, _ = session.generate(prompts, 3, sampling)
-        for i, out in enumerate(outs):
-            observed[i % 2][tuple(out)] += 1
+    for _ in range(BATCH_SAMPLES // len(prompts) * (2 if greedy_neighbours else 1)):
+        requests = [eng.add(p, 3, s) for p, s in zip(prompts, settings)]
+        while eng.pending():
+            eng.step()
+        for i, r in enumerate(requests):
+            if settings[i].greedy:
+                assert r.out == greedy_text[i - 2]
+            else:
+                observed[i % 2][tuple(r.out)] += 1
     return [g_test(o, law) for o, law in zip(observed, laws)], log.counts
 
 
 def test_batched_sampling_is_lossless(monkeypatch):
-    ps, counts = batched_sampling(MAIN_E2E, batched.accept_sampling, monkeypatch)
+    ps, counts = batched_sampling(MAIN_E2E, engine.accept_sampling, monkeypatch)
     assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
     assert counts["sampled_drafts"] == counts["cycles"] and counts["accepted"] > 0.5 * counts["cycles"]
     assert counts["sibling_rejected"] > 0.05 * counts["cycles"] and counts["children_rejected"] > 0.05 * counts["cycles"]
@@ -163,7 +173,7 @@ def test_batched_sampling_is_lossless(monkeypatch):
 
 def test_batched_dynamic_tree_sampling_is_lossless(monkeypatch):
     """Each row's own dynamic tree (one-hot proposals of the draft's best tokens) under top-p: the target's law."""
-    ps, counts = batched_sampling("topp0.8-dynamic", batched.accept_sampling, monkeypatch)
+    ps, counts = batched_sampling("topp0.8-dynamic", engine.accept_sampling, monkeypatch)
     assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
     assert counts["accepted"] > 0.3 * counts["cycles"]
 
@@ -171,3 +181,47 @@ def test_batched_dynamic_tree_sampling_is_lossless(monkeypatch):
 def test_batched_sampling_with_a_broken_verifier_fails(monkeypatch):
     ps, _ = batched_sampling(MAIN_E2E, accept_sampling_without_residual, monkeypatch)
     assert min(ps) < P_BROKEN, f"the broken verifier passed the batched test: p = {ps}"
+
+
+def test_greedy_rows_beside_sampled_rows(monkeypatch):
+    """Rows that sample and rows that decode greedily share each cycle: the greedy rows give their greedy text
+    every time (checked inside), the sampled rows keep the target's law."""
+    ps, counts = batched_sampling(MAIN_E2E, engine.accept_sampling, monkeypatch, greedy_neighbours=True)
+    assert min(ps) > P_PASS, f"G-test p = {ps}; verifier {dict(counts)}"
+    assert counts["sampled_drafts"] == counts["cycles"]
+
+
+# ---------------------------------------------------------------- requests that join, stream and leave
+@pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12"])
+def test_requests_join_stream_and_are_cancelled(spec):
+    """The server's use: requests added while others run, their tokens read step by step, one cancelled midway.
+    Every request that ran to its end got a single Session's text, streamed in order (the first token from its
+    prefill); the cancelled one stopped there and freed its row for the one waiting; an idle engine steps
+    without a forward."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(5, model.config.vocab_size, seed=21), 12
+    ref = session_outputs(model, head, spec, prompts, n, frozenset())[0]
+    eng = Engine(model, max(map(len, prompts)) + n, 2, head, None if spec is None else parse_tree(spec))
+    assert eng.step() == [] and eng.target_forwards == 0
+    first = [eng.add(p, n) for p in prompts[:3]]  # two rows: the third waits
+    streamed = {r.id: [] for r in first}
+    for new in eng.step():
+        streamed[new[0].id] += new[1]
+    assert [len(streamed[r.id]) >= 1 for r in first] == [True, True, False] and eng.running == 2
+    eng.cancel(first[1])
+    late = [eng.add(p, n) for p in prompts[3:]]
+    streamed.update({r.id: [] for r in late})
+    while eng.pending():
+        for request, tokens in eng.step():
+            streamed[request.id] += tokens
+            assert request is not first[1]  # a cancelled request gets nothing more
+        assert eng.running <= 2
+    assert first[1].finish_reason == "cancelled" and first[1].out == ref[1][: len(first[1].out)]
+    for r, p in zip([first[0], first[2], *late], [0, 2, 3, 4]):
+        assert r.out == ref[p] and streamed[r.id] == r.out and r.finish_reason == "length"
+    forwards = eng.target_forwards
+    assert eng.step() == [] and eng.target_forwards == forwards
+    queued = eng.add(prompts[0], n)
+    eng.cancel(queued)  # cancelled before it ran: it never takes a row
+    assert eng.step() == [] and queued.out == [] and queued.finish_reason == "cancelled"

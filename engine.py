@@ -1,0 +1,664 @@
+"""The engine: rows that join, decode together and leave, one draft-verify cycle (or one plain decode step) at a
+time, and the pieces every cycle is built from (sampling, the acceptance rules, the model steps, compilation).
+
+    engine = Engine(model, max_seq_len=1024, max_rows=4, head=head, tree=parse_tree("chain-1"), compile=True)
+    request = engine.add(prompt_ids, max_new_tokens=128, sampling=Sampling(0.7, top_p=0.9), stop_ids={2})
+    while not request.done:
+        for req, new_tokens in engine.step():   # every row that got tokens this step
+            ...
+    engine.cancel(request)                      # a row that is not wanted any more leaves at the next step
+
+Each row keeps its own length: its tokens sit at slots 0..length-1 of its batch row of the target's and the
+head's KV caches (model.py takes per-row slots input_pos [B, T] and per-row masks [B, 1, T, S]). A step first
+gives every free row the next queued request (a batch-1 prefill into that row, its first token sampled there),
+then runs every row at once:
+
+1. draft: the head grows a tree from each row's last committed token, one head forward of B x (the level's
+   nodes) per tree level;
+2. verify: the target runs once over the B x n tree nodes, each row at its own slots and rotary positions;
+3. accept: each row takes its own path by its own sampling settings (accept_greedy, or the lossless
+   accept_sampling), so each row's output is what it would get alone;
+4. commit: each row's accepted KV entries move into place, and the head reads each row's true features.
+
+Without a head a step decodes one token per row. A row whose request finished (stop token, token budget,
+cancelled) rides along, its results ignored, until a queued request takes it (continuous batching). Static
+trees (chains, the paper tree, lists of paths, a context branch) share one structure across rows; the dynamic
+tree (EAGLE-2) grows each row's own tree, its mask and depths per row. compile=True runs the steps as full
+graphs of static shape, the live slot count of their masks dynamic, so nothing recompiles as rows advance,
+finish and are refilled.
+"""
+import json
+import time
+import types
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from eagle_head import EagleHead
+from model import Transformer, causal_mask, narrow_caches
+from tree import ContextLookup, DynamicTree, Tree, ancestor_mask, children_of, tree_attention_mask
+
+
+class UsageError(ValueError):
+    """Bad command-line input; the message says what to do."""
+
+
+
+
+# ---------------------------------------------------------------- sampling
+TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many most probable tokens before sorting all
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling settings (hashable: the engine computes the rows of equal settings together)."""
+    temperature: float = 0.0  # 0: greedy
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """The target distribution after temperature, top-k and top-p; used by vanilla and EAGLE alike."""
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        if self.top_p < 1.0:  # keep the most probable tokens down to the smallest prefix whose mass reaches top_p
+            top = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values  # sorted, descending
+            if top.shape[-1] < probs.shape[-1] and not bool((top.sum(-1) > self.top_p).all()):
+                top = probs.sort(dim=-1, descending=True).values  # the prefix is longer: sort the whole row
+            kept = (top.cumsum(-1) - top <= self.top_p).sum(-1, keepdim=True)  # prefix length, >= 1
+            probs = probs.masked_fill(probs < top.gather(-1, kept - 1), 0.0)  # ties at the cut stay
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    @staticmethod
+    def draw(probs: Tensor, k: int = 1) -> Tensor:
+        """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw order
+        [..., k], by inverse CDF: one uniform number per draw, where torch.multinomial draws V exponentials
+        per row (milliseconds on a CPU at V = 49152). A row's draws past its non-zero entries are V - 1."""
+        rows = probs.reshape(-1, probs.shape[-1]).double()
+        out = []
+        for j in range(k):
+            cdf = rows.cumsum(-1)
+            u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+            index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
+            out.append(index)
+            if j + 1 < k:
+                rows = rows.scatter(1, index, 0.0)
+        return torch.cat(out, -1).view(*probs.shape[:-1], k)
+
+
+def argmax_tokens(logits: Tensor) -> Tensor:
+    """The greedy token per row of logits [..., vocab]."""
+    return logits.float().argmax(-1)  # same index; on CPU a bfloat16 argmax costs 4x a float one
+
+
+def sample(logits: Tensor, s: Sampling) -> Tensor:
+    """A token id per row of logits [..., vocab]."""
+    if s.greedy:
+        return argmax_tokens(logits)
+    return s.draw(s.probs(logits))[..., 0]
+
+
+
+
+class HeadPrediction(NamedTuple):
+    """The head's output for the m nodes it was fed."""
+    hidden: Tensor  # [1, m, dim] predicted features
+    logits: Tensor  # [1, m, draft vocab]
+    top_logp: Tensor  # [1, m, k] the k best draft log-probs
+    top_tokens: Tensor  # [1, m, k] and their token ids
+
+
+def head_prediction(head: EagleHead, hidden: Tensor, k: int) -> HeadPrediction:
+    """The draft distribution of predicted features and its top k (k = 1: a max, half a topk's time here)."""
+    logits = head.draft_logits(hidden)
+    logp = logits.float().log_softmax(-1)
+    top_logp, top_index = logp.max(-1, keepdim=True) if k == 1 else logp.topk(k, dim=-1)
+    return HeadPrediction(hidden, logits, top_logp, head.token_ids(top_index))
+
+
+def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_features: Tensor,
+               input_pos: Tensor, rope_pos: Tensor, mask: Tensor, k: int) -> HeadPrediction:
+    """Head forward on draft nodes: tokens [1, m] paired with their parents' features [1, m, dim]."""
+    return head_prediction(head, head(target.tok_embeddings(tokens), parent_features, input_pos, mask, rope_pos), k)
+
+
+
+
+def without_global_state_guard(guards) -> list:
+    """Dynamo's guard_filter_fn: keep every guard of a compiled step but the global-state one. That guard holds
+    torch.get_num_threads() among grad mode, autocast and the default dtype, so each change of the thread count
+    (the ThreadGovernor's, under load) recompiled every step in the middle of a generation: tens of seconds a
+    step with frozen, autotuned graphs (a first run went 0.9 tokens/s, issue 29). A step's inductor kernels
+    follow the thread count at run time anyway when compiled for every core (see warm_up). The rest of that state
+    is fixed for the steps: Session runs them under torch.no_grad(), never under autocast."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+
+
+def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options) -> Callable:
+    """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
+    the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
+    not honoured, and without frozen weights the max-autotune GEMM templates are never used (issue 29: the
+    compiled code then holds no _frozen_param; the patch costs ~30 us a call). With inductor_config, f is compiled
+    as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
+    would otherwise hand this step the graph a default compile of the same function made earlier in the process
+    (as when the benchmark runs both)."""
+    if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
+        options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
+    if not inductor_config:
+        return torch.compile(f, **options)
+    tag = zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode())  # one code object per setting
+    f = types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag:08x}"), f.__globals__, f.__name__,
+                           f.__defaults__, f.__closure__)
+    compiled = torch.compile(f, **options)
+    # quiet: the autotuner prints every timing table to stderr (PRINT_AUTOTUNE, a module flag, and the choices'
+    # stats) and reads a tensor's storage(), whose deprecation warning is torch's own, not the user's
+    import torch._inductor.select_algorithm as select_algorithm
+
+    select_algorithm.PRINT_AUTOTUNE = False
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    settings = {**inductor_config, "max_autotune_report_choices_stats": False}
+
+    def run(*args, **kwargs):
+        with torch._inductor.config.patch(settings):
+            return compiled(*args, **kwargs)
+    return run
+
+
+
+
+def accept_greedy(tokens: list, choice: list, parents: list):
+    """The deepest node whose whole root path equals the target's greedy token at each step; choice[i]
+    is the target's greedy token after node i, parents precede children. (A context branch may repeat a
+    head node's token: then two paths match, and the deeper one, either is correct, is taken.)
+    Returns (accepted node indices, root first; bonus token = the target's choice after the last)."""
+    accepted, depth, deepest = [True] + [False] * (len(tokens) - 1), [0] * len(tokens), 0
+    for i in range(1, len(tokens)):
+        if accepted[parents[i]] and tokens[i] == choice[parents[i]]:
+            accepted[i], depth[i] = True, depth[parents[i]] + 1
+            deepest = i if depth[i] > depth[deepest] else deepest
+    path = [deepest]
+    while path[-1]:
+        path.append(parents[path[-1]])
+    return path[::-1], choice[deepest]
+
+
+def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Sampling,
+                    draft_probs: Optional[Tensor] = None, lookup_from: Optional[int] = None):
+    """Lossless multi-round verification (EAGLE paper, Algorithm 1), for drafts drawn from a law q.
+
+    Round j tries the current node's j-th child x_j with proposal q_j against the current target r (at
+    first r = p): accept with probability min(1, r(x_j) / q_j(x_j)); on rejection r becomes
+    norm(max(0, r - q_j)). q_j is q = draft_probs[node] with the earlier children removed, renormalised
+    (static trees at temperature > 0 draw children without replacement from q), or one-hot delta(x_j),
+    where r - q_j zeroes r(x_j): the dynamic tree's best tokens (draft_probs None) and context nodes
+    (index >= lookup_from, tried after the head's children). If every child is rejected, the bonus token
+    is drawn from the final r. Each round is a speculative-sampling step whose output law is exactly r for
+    any proposal, so every committed token follows the target p (temperature / top-k / top-p as in
+    vanilla sampling). A child with q_j(x_j) = 0 (q cut short by top-k / top-p and used up) is skipped.
+    tokens[i]: node i's token; children[i]: its children in the order tried; logits [n, V]: the target's
+    after each node.
+    """
+    probs = sampling.probs(logits).cpu()  # [n, V]
+    draft_probs = None if draft_probs is None else draft_probs.cpu()
+    path, node = [0], 0
+    while True:
+        r = probs[node]
+        q = None if draft_probs is None else draft_probs[node]
+        for child in children[node]:
+            x = tokens[child]
+            if q is None or (lookup_from is not None and child >= lookup_from):
+                if torch.rand(()) < r[x]:
+                    break
+                r = r.clone()
+                r[x] = 0.0
+            else:
+                if q[x] <= 0.0:
+                    continue
+                if torch.rand(()) * q[x] < r[x]:
+                    break
+                r = (r - q).clamp_min(0.0)
+                q = q.clone()
+                q[x] = 0.0
+                q = q / q.sum().clamp_min(1e-30)
+            r = r / r.sum()
+        else:
+            return path, int(sampling.draw(r))
+        path.append(child)
+        node = child
+
+
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, max_seq_len: int):
+    """A prompt a session of max_seq_len tokens can answer, or a UsageError that says what to change."""
+    if prompt_len == 0:
+        raise UsageError("the prompt is empty; give some text with --prompt")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise UsageError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"--max_seq_len {max_seq_len}; raise --max_seq_len or shorten the prompt")
+
+
+# ---------------------------------------------------------------- the engine's rows
+@dataclass(eq=False)  # a request is itself: hashed and compared by identity
+class Request:
+    """One sequence: `tokens` is its prompt and the tokens committed so far (in EAGLE the last of them, the
+    cycle's root, is not in the target cache yet); `length` tokens are in the target cache."""
+    tokens: list
+    budget: int  # new tokens still wanted
+    sampling: Sampling
+    stop_ids: frozenset = frozenset()
+    id: int = -1  # the engine's count of requests added (-1: a spare row riding along)
+    length: int = 0
+    out: list = field(default_factory=list)
+    done: bool = False
+    finish_reason: Optional[str] = None  # "stop", "length" or "cancelled"
+    accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
+    context: ContextLookup = field(default_factory=ContextLookup)
+
+    def __post_init__(self):
+        self.prompt_len = len(self.tokens)
+
+    def emit(self, new: list) -> list:
+        """Add new tokens to the output, cut at the budget and after a stop token; finishes the request."""
+        new = new[: self.budget]
+        stop = next((i + 1 for i, t in enumerate(new) if t in self.stop_ids), None)
+        new = new[:stop]
+        self.out += new
+        self.budget -= len(new)
+        if stop is not None or self.budget == 0:
+            self.done, self.finish_reason = True, "stop" if stop is not None else "length"
+        return new
+
+
+@dataclass
+class RowsDraft:
+    """One cycle's drafts of every row: tokens [B, n]; a static tree's structure, shared (depths [n], tree_mask
+    [n, n]), or a dynamic tree's, each row its own (depths [B, n], tree_mask [B, n, n]); parents and children:
+    lists per row."""
+    tokens: Tensor
+    depths: Tensor
+    tree_mask: Tensor
+    parents: list
+    children: list
+    draft_probs: Optional[Tensor] = None  # [B, n, vocab] (static trees, rows that sample; None: one-hot proposals)
+    lookup_from: Optional[int] = None  # context nodes from this index on
+
+
+@dataclass
+class BatchStats:
+    """Per request: new tokens and (EAGLE) accepted drafts per cycle; for the batch: target forwards and time."""
+    new_tokens: list
+    accept_lengths: list
+    target_forwards: int
+    total_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.new_tokens) / max(self.total_s, 1e-9)
+
+    def tau(self, row: int) -> float:
+        """Tokens a cycle committed in this request (accepted drafts + the bonus token), on average."""
+        lengths = self.accept_lengths[row]
+        return (sum(lengths) + len(lengths)) / max(1, len(lengths))
+
+
+# ---------------------------------------------------------------- the model steps over rows (eager, or compiled)
+def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool) -> Tensor:
+    """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]."""
+    logits, _ = model(tokens, input_pos, mask=mask)
+    return argmax_tokens(logits[:, -1]) if greedy else logits[:, -1]
+
+
+def verify_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, rope_pos: Tensor, mask: Tensor, greedy: bool):
+    """Every row's tree nodes [B, n]: greedy tokens [B, n] (or logits [B, n, V]) after each node, and features."""
+    logits, features = model(tokens, input_pos, mask=mask, rope_pos=rope_pos)
+    return (argmax_tokens(logits) if greedy else logits), features
+
+
+def update_rows(model: Transformer, head: EagleHead, tokens: Tensor, features: Tensor, input_pos: Tensor,
+                mask: Tensor, last: Tensor, k: int):
+    """The head reads pairs (features [B, m, dim], tokens [B, m]); its prediction at index last[b] of each row."""
+    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask)
+    return head_prediction(head, hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], k)
+
+
+def rows_tensor(values: list, device) -> Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def row_masks(bases: Tensor, tree_mask: Tensor) -> Tensor:
+    """[B, 1, n, S] bool: row b's nodes at slots bases[b].. see its prefix and their ancestors (tree_mask
+    [n, m], or [B, n, m] each row its own; m: the slots past the prefix they may see); S: the live slots of
+    the longest row (attention reads no slot past them)."""
+    slots = int(bases.max()) + tree_mask.shape[-1]
+    masks = [tree_mask if tree_mask.dim() == 2 else tree_mask[i] for i in range(len(bases))]
+    return torch.stack([tree_attention_mask(int(b), m, slots) for b, m in zip(bases, masks)])[:, None]
+
+
+def by_sampling(rows: list) -> dict:
+    """The indices of the rows that sample (not greedy, not done), grouped by equal settings: {Sampling: [b, ...]}
+    (each group's draws and probabilities are computed for its rows at once)."""
+    groups: dict = {}
+    for b, r in enumerate(rows):
+        if not r.done and not r.sampling.greedy:
+            groups.setdefault(r.sampling, []).append(b)
+    return groups
+
+
+class Engine:
+    """Rows decoded together by a target (and an optional EAGLE head with a static or dynamic tree): requests
+    are added with their own prompt, budget, sampling and stop tokens, wait in a queue for a free row, and
+    leave when done or cancelled."""
+
+    def __init__(self, model: Transformer, max_seq_len: int, max_rows: int, head: Optional[EagleHead] = None,
+                 tree: Optional["Tree | DynamicTree"] = None, compile: bool = False,
+                 inductor_config: Optional[dict] = None):
+        """compile: the steps as compiled graphs, inductor_config applied when they compile (generate.COMPILE_KINDS:
+        None for the default kind, or frozen weights, or frozen and autotuned)."""
+        if head is not None and not isinstance(tree, (Tree, DynamicTree)):
+            raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
+        self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
+        self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
+        steps = (decode_rows, verify_rows, draft_step, update_rows)
+        if compile:
+            steps = [compile_step(f, inductor_config, fullgraph=True, dynamic=False) for f in steps]
+        self.decode, self.verify, self.draft_step, self.update = steps
+        scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
+        self.cache_len = max_seq_len + scratch
+        self.head_cache_len = None if head is None else max_seq_len + max(scratch, tree.draft_slots)
+        self.setup_caches()
+        if head is not None:
+            self.tree = tree.to(self.device)
+            if head.lm_head is None:
+                head.bind(model.output.weight)
+        self.queue: list = []  # requests waiting for a row
+        self.rows: list = [None] * max_rows  # the request each batch row holds (None: never used yet)
+        self.root: Optional[HeadPrediction] = None  # EAGLE: the head's prediction after each row's last token
+        self.added = self.target_forwards = 0
+
+    def setup_caches(self, cache_len: int = 0, head_cache_len: int = 0):
+        """The target's (and head's) KV caches for batch_size rows of at least cache_len (head_cache_len) slots,
+        this engine's by default: engines sharing a model share its caches (each generate call makes sure they
+        fit it, reallocated only when they do not), so only one of them may hold live rows at a time."""
+        self.cache_len, model = max(self.cache_len, cache_len), self.model
+        if model.max_batch_size != self.batch_size or model.max_seq_len < self.cache_len:
+            model.setup_caches(self.batch_size, self.cache_len)
+            self.rows, self.root = [None] * self.batch_size, None  # the caches were reallocated: rows start again
+        if self.head is not None:
+            self.head_cache_len = max(self.head_cache_len, head_cache_len)
+            cache = self.head.attention.kv_cache
+            if cache is None or cache.k_cache.shape[0] != self.batch_size or self.head.max_seq_len < self.head_cache_len:
+                self.head.setup_caches(self.head_cache_len, batch_size=self.batch_size)
+                self.rows, self.root = [None] * self.batch_size, None
+
+    def live(self, mask: Tensor) -> Tensor:
+        """A step's mask over the live slots: their count is dynamic in the compiled graphs (one graph serves
+        every length; see generate.CacheWindow)."""
+        if self.compiled:
+            torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
+        return mask
+
+    # ---------------------------------------------------------------- requests
+    def add(self, prompt: list, max_new_tokens: int, sampling: Optional[Sampling] = None, stop_ids=frozenset()) -> Request:
+        """Queue a request (prompt: token ids); it takes a row at the next step that has one free."""
+        check_fits(len(prompt), max_new_tokens, self.max_seq_len)
+        request = Request(list(prompt), max_new_tokens, sampling or Sampling(), frozenset(stop_ids), id=self.added)
+        self.added += 1
+        self.queue.append(request)
+        return request
+
+    def cancel(self, request: Request):
+        """Finish a request now (finish_reason "cancelled"): a queued one never runs, a running one's row is free
+        for the next step."""
+        if request in self.queue:
+            self.queue.remove(request)
+        if not request.done:
+            request.done, request.finish_reason = True, "cancelled"
+
+    @property
+    def running(self) -> int:
+        """Rows holding an unfinished request."""
+        return sum(r is not None and not r.done for r in self.rows)
+
+    def pending(self) -> bool:
+        """Whether a step has work: a queued request or a running row."""
+        return bool(self.queue) or self.running > 0
+
+    @torch.no_grad()
+    def step(self) -> list:
+        """Free rows take queued requests, then every row advances by one decode step or EAGLE cycle.
+        Returns [(request, its new tokens)] for every request that got tokens this step (the first token
+        comes from the prefill); a request that finished has done set."""
+        # the target's features are what this engine's head reads (EAGLE-3: fused layers' states)
+        self.model.feature_layers = None if self.head is None else self.head.feature_layers
+        events: dict = {}
+        self._admit(events)
+        if self.running:
+            (self._vanilla_step if self.head is None else self._eagle_cycle)(events)
+        return list(events.items())
+
+    @torch.no_grad()
+    def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
+        """New tokens for each of the prompts (lists of token ids), batch_size at a time (continuous batching).
+        Returns the outputs in the prompts' order and BatchStats."""
+        if not prompts:
+            raise UsageError("no prompts to generate for: give at least one")
+        for p in prompts:
+            check_fits(len(p), max_new_tokens, self.max_seq_len)
+        self.setup_caches()
+        start, forwards = time.perf_counter(), self.target_forwards
+        requests = [self.add(p, max_new_tokens, sampling, stop_ids) for p in prompts]
+        while not all(r.done for r in requests):
+            self.step()
+        return [r.out for r in requests], BatchStats([len(r.out) for r in requests], [r.accept_lengths for r in requests],
+                                                     self.target_forwards - forwards, time.perf_counter() - start)
+
+    def _admit(self, events: dict):
+        """Every free row takes the next queued request (and the one after, if the first new token already ends
+        it): prefill, first token and (EAGLE) the head's prompt, all in that row alone. A row never used gets a
+        spare one-token request to ride along with, so that every row has a length and a root."""
+        roots: dict = {}
+        for b, row in enumerate(self.rows):
+            while (row is None or row.done) and (self.queue or row is None):
+                row = self.queue.pop(0) if self.queue else Request([0], 0, Sampling(), done=True)
+                self.rows[b] = row
+                roots[b] = self._prefill(b, row)
+                if row.id >= 0:
+                    events[row] = row.emit([row.tokens[-1]])
+        if self.head is None or not roots:
+            return
+        if self.root is None:  # the first step: every row was just filled
+            self.root = HeadPrediction(*(torch.cat(parts) for parts in zip(*(roots[b] for b in range(len(self.rows))))))
+        else:
+            for b, one in roots.items():
+                for full, part in zip(self.root, one):
+                    full[b] = part[0]
+
+    def _prefill(self, b: int, row: Request) -> Optional[HeadPrediction]:
+        """Row b's prompt through the target (a batch-1 forward into row b of its cache), its first new token
+        appended to row.tokens (it is not in the cache yet); with a head, the head reads the prompt's pairs
+        (f_i, t_{i+1}), the first new token last, and its prediction there drafts the row's first tree."""
+        T = len(row.tokens)
+        pos = torch.arange(T, device=self.device)
+        with self.model.cache_row(b):
+            logits, features = self.model(rows_tensor([row.tokens], self.device), pos, mask=causal_mask(pos, T),
+                                          logits_at=slice(-1, None))
+        row.length = T
+        row.tokens.append(int(sample(logits[0, -1], row.sampling)))
+        if self.head is None:
+            return None
+        with narrow_caches(self.head.kv_caches(), b):  # eager: the prompts' length varies
+            return update_rows(self.model, self.head, rows_tensor([self.head.pair_tokens(row.tokens[1:], row.tokens[:T])],
+                                                                  self.device),
+                               features, pos, causal_mask(pos, T), rows_tensor([T - 1], self.device),
+                               self.tree.max_rank + 1)
+
+    # ---------------------------------------------------------------- vanilla
+    def _vanilla_step(self, events: dict):
+        """One token per row (each row's last token, at its slot `length`); a finished row re-runs its slot."""
+        rows = self.rows
+        pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
+        mask = self.live(causal_mask(pos, int(pos.max()) + 1)[:, None])  # [B, 1, 1, S]
+        groups = by_sampling(rows)
+        out = self.decode(self.model, rows_tensor([[r.tokens[-1]] for r in rows], self.device), pos, mask, not groups)
+        self.target_forwards += 1
+        nxt = out if not groups else argmax_tokens(out)
+        for s, members in groups.items():
+            index = rows_tensor(members, self.device)
+            nxt[index] = sample(out[index], s)
+        for r, token in zip(rows, nxt.tolist()):
+            if not r.done:
+                r.length += 1
+                r.tokens.append(token)
+                events[r] = events.get(r, []) + r.emit([token])
+
+    # ---------------------------------------------------------------- EAGLE
+    def _eagle_cycle(self, events: dict):
+        rows = self.rows
+        bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
+        groups = by_sampling(rows)
+        draft = (self._draft_dynamic(rows, bases, self.root) if isinstance(self.tree, DynamicTree)
+                 else self._draft(rows, bases, self.root, groups))  # 1.
+        out, features = self._verify(draft, bases, not groups)  # 2.
+        self.target_forwards += 1
+        paths, new, node_tokens = [], [], draft.tokens.tolist()
+        for b, (r, tokens) in enumerate(zip(rows, node_tokens)):  # 3. each row its own path and bonus token
+            if r.done:
+                paths.append([0])
+                new.append([tokens[0]])
+                continue
+            path, bonus = self._accept(draft, b, tokens, out[b], r.sampling, greedy_out=not groups)
+            paths.append(path)
+            new.append([tokens[i] for i in path[1:]] + [bonus])
+            r.accept_lengths.append(len(path) - 1)
+        self.root = self._commit(rows, bases, paths, new, features)  # 4.
+        for r, path, tokens_b in zip(rows, paths, new):
+            if not r.done:
+                r.tokens += tokens_b
+                r.length += len(path)
+                events[r] = events.get(r, []) + r.emit(tokens_b)
+
+    def _draft(self, rows: list, bases: Tensor, root, groups: dict):
+        """Step 1, as tree.Tree.draft for each row at once: a node of rank r is its parent's r-th most likely
+        draft token (greedy rows) or r-th draw without replacement from the head's q (rows that sample, q kept
+        in draft_probs [B, n, vocab]). Node j's head slot: base + j - 1; depth d's rotary position base + d - 1."""
+        tree, head, B = self.tree, self.head, len(rows)
+        k, n_head = tree.max_rank + 1, len(tree.paths) + 1
+        tokens = rows_tensor([[r.tokens[-1]] for r in rows], self.device).repeat(1, tree.num_nodes)
+        if tree.lookup:  # the context branch: each row's own text
+            tokens[:, n_head:] = rows_tensor([r.context.propose(r.tokens, tree.lookup) for r in rows], self.device)
+        draft_probs = vocab_ids = None
+        if groups:
+            draft_probs = torch.zeros(B, tree.num_nodes, self.model.config.vocab_size, device=self.device)
+            vocab_ids = head.token_ids(torch.arange(root.logits.shape[-1], device=self.device))
+        head_mask = row_masks(bases, tree.tree_mask[1:n_head, 1:n_head]) if tree.draft_steps else None
+        parent, parent_first = root, 0
+        for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
+            tokens[:, first:end] = parent.top_tokens[:, parent_in_level, tree.ranks[first:end]]
+            for s, members in groups.items():
+                index = rows_tensor(members, self.device)
+                q = s.probs(parent.logits[index])  # [rows, parents in level, draft vocab]
+                nodes = torch.arange(parent_first, parent_first + q.shape[1], device=self.device)
+                draft_probs[index[:, None, None], nodes[None, :, None], vocab_ids] = q
+                tokens[index, first:end] = vocab_ids[s.draw(q, k)[:, parent_in_level, tree.ranks[first:end]]]
+            if depth == len(tree.levels):
+                break
+            m = end - first
+            pos = bases[:, None] + torch.arange(first - 1, end - 1, device=self.device)  # [B, m]
+            paired = head.pair_tokens(tokens[:, first:end], tokens[:, tree.parents[first:end]])
+            parent = self.draft_step(self.model, head, paired, parent.hidden[:, parent_in_level], pos,
+                                     (bases + depth - 1)[:, None].expand(B, m),
+                                     self.live(head_mask[:, :, first - 1:end - 1]), k)
+            parent_first = first
+        parents = tree.parents.tolist()
+        return RowsDraft(tokens, tree.depths, tree.tree_mask, [parents] * B, [tree.children] * B, draft_probs,
+                         n_head if tree.lookup else None)
+
+    def _draft_dynamic(self, rows: list, bases: Tensor, root) -> RowsDraft:
+        """Step 1 with EAGLE-2's dynamic tree, as tree.DynamicTree.draft for each row at once: every row expands its
+        own top_k frontier for depth levels (one head forward of B x top_k nodes per level; frontier node i of
+        depth d at head slot base + (d - 1) * top_k + i), then keeps its best total_tokens nodes: each row its
+        own tree (parents, depths and mask per row; one-hot proposals at any temperature)."""
+        tree, head, B, K, device = self.tree, self.head, len(rows), self.tree.top_k, self.device
+        batch = torch.arange(B, device=device)[:, None]
+        # the candidate pool in creation order, chunked [B, ...]: tokens, cumulative log-probs, parents (pool
+        # index, -1: the root), depths
+        pool = [(root.top_tokens[:, 0], root.top_logp[:, 0], torch.full((B, K), -1, device=device),
+                 torch.ones(B, K, dtype=torch.long, device=device))]
+        frontier = torch.arange(K, device=device).repeat(B, 1)  # [B, K] pool indices
+        frontier_hidden = root.hidden.expand(B, K, -1)
+        frontier_slots = torch.zeros(B, K, tree.draft_slots, dtype=torch.bool, device=device)  # scratch ancestors
+        root_tokens = rows_tensor([[r.tokens[-1]] for r in rows], device)  # [B, 1]
+        for depth in range(1, tree.depth):
+            tokens, scores, pool_parents, _ = (torch.cat(chunks, dim=1) for chunks in zip(*pool))
+            own = torch.arange((depth - 1) * K, depth * K, device=device)
+            frontier_slots[:, torch.arange(K, device=device), own] = True
+            parent_tokens = torch.cat([root_tokens, tokens], 1).gather(1, pool_parents.gather(1, frontier) + 1)
+            pred = self.draft_step(self.model, head, head.pair_tokens(tokens.gather(1, frontier), parent_tokens),
+                                   frontier_hidden, bases[:, None] + own, (bases + depth - 1)[:, None].expand(B, K),
+                                   self.live(row_masks(bases, frontier_slots)), K)
+            child_scores = (scores.gather(1, frontier)[:, :, None] + pred.top_logp).flatten(1)  # [B, K * K]
+            pool.append((pred.top_tokens.flatten(1), child_scores, frontier.repeat_interleave(K, dim=1),
+                         torch.full((B, K * K), depth + 1, device=device)))
+            best = child_scores.topk(K).indices  # each row's next frontier: its best K children
+            frontier_slots, frontier_hidden = frontier_slots[batch, best // K], pred.hidden[batch, best // K]
+            frontier = tokens.shape[1] + best
+        tokens, scores, pool_parents, depths = (torch.cat(chunks, dim=1) for chunks in zip(*pool))
+        # each row's best nodes by score; on equal score the shallower first, so a node's parent is always kept
+        order = torch.sort(depths, dim=1, stable=True).indices
+        order = order.gather(1, torch.sort(scores.gather(1, order), dim=1, descending=True, stable=True).indices)
+        keep = order[:, : tree.total_tokens]
+        keep = keep.gather(1, torch.sort(depths.gather(1, keep), dim=1, stable=True).indices)  # parents first
+        index_of = torch.zeros(B, tokens.shape[1] + 1, dtype=torch.long, device=device)  # pool index -> node
+        index_of.scatter_(1, keep + 1, torch.arange(1, tree.total_tokens + 1, device=device).repeat(B, 1))
+        parents = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
+                             index_of.gather(1, pool_parents.gather(1, keep) + 1)], 1)  # [B, n]
+        masks, node_depths = zip(*(ancestor_mask(p, tree.depth) for p in parents))
+        parents = parents.tolist()
+        return RowsDraft(torch.cat([root_tokens, tokens.gather(1, keep)], 1), torch.stack(node_depths),
+                         torch.stack(masks), parents, [children_of(p) for p in parents])
+
+    def _verify(self, draft: RowsDraft, bases: Tensor, greedy: bool):
+        """Step 2: the target over every row's nodes: greedy tokens (or logits) after each node, and features."""
+        n = draft.tokens.shape[1]
+        input_pos = bases[:, None] + torch.arange(n, device=self.device)
+        return self.verify(self.model, draft.tokens, input_pos, bases[:, None] + draft.depths,
+                           self.live(row_masks(bases, draft.tree_mask)), greedy)
+
+    def _accept(self, draft: RowsDraft, b: int, tokens: list, out: Tensor, sampling: Sampling, greedy_out: bool):
+        """Step 3 for row b (its node tokens as a list; out: the target's greedy tokens after each node, or with
+        greedy_out False its logits): its accepted path (node indices, root first) and bonus token."""
+        if sampling.greedy:
+            return accept_greedy(tokens, (out if greedy_out else argmax_tokens(out)).tolist(), draft.parents[b])
+        return accept_sampling(tokens, out, draft.children[b], sampling,
+                               None if draft.draft_probs is None else draft.draft_probs[b], draft.lookup_from)
+
+    def _commit(self, rows: list, bases: Tensor, paths: list, new: list, features: Tensor):
+        """Step 4: each row's accepted nodes' KV entries move to the slots after its prefix, and the head reads
+        their true features (pairs with the tokens that follow them), max_depth + 1 rows per row (a row's
+        padding is overwritten later; a done row's path [0] moves nothing); returns the head's prediction
+        after each row's last new token."""
+        pad = self.tree.max_depth + 1
+        index = rows_tensor([path + list(range(len(path), pad)) for path in paths], self.device)  # [B, pad]
+        if any(path != list(range(len(path))) for path in paths):  # a chain's entries are in place already
+            slots = bases[:, None] + torch.arange(pad, device=self.device)
+            for cache in self.model.kv_caches():
+                cache.move(bases[:, None] + index, slots)
+        feats = features.gather(1, index[..., None].expand(-1, -1, features.shape[-1]))
+        next_tokens = rows_tensor([t + [0] * (pad - len(t)) for t in new], self.device)
+        own = rows_tensor([[r.tokens[-1]] + t[:-1] + [0] * (pad - len(t)) for r, t in zip(rows, new)], self.device)
+        pos = bases[:, None] + torch.arange(pad, device=self.device)
+        return self.update(self.model, self.head, self.head.pair_tokens(next_tokens, own), feats, pos,
+                           self.live(causal_mask(pos, int(pos.max()) + 1)[:, None]),
+                           rows_tensor([len(p) - 1 for p in paths], self.device), self.tree.max_rank + 1)
