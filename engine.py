@@ -467,7 +467,8 @@ class Engine:
     def _admit(self, events: dict):
         """Every free row takes the next queued request (and the one after, if the first new token already ends
         it): prefill, first token and (EAGLE) the head's prompt, all in that row alone. A row never used gets a
-        spare one-token request to ride along with, so that every row has a length and a root."""
+        spare one-token request to ride along with, so that every row has a length and a root; a row whose request
+        finished rides along as such a spare (its results are ignored) until a request comes."""
         roots: dict = {}
         for b, row in enumerate(self.rows):
             while (row is None or row.done) and (self.queue or row is None):
@@ -476,6 +477,8 @@ class Engine:
                 roots[b] = self._prefill(b, row)
                 if row.id >= 0:
                     events[row] = row.emit([row.tokens[-1]])
+            if row.done and row.id >= 0:  # a finished request's row with nothing queued: it rides along at slot 1
+                self.rows[b] = Request([0, 0], 0, Sampling(), done=True, length=1)  # (a mask spans the longest row)
         if self.head is None or not roots:
             return
         if self.root is None:  # the first step: every row was just filled

@@ -291,7 +291,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         for k in [0] + list(args.vllm_ks):
             peer = vllm(args, hf_dir, head_dir, precision, k, prompts, longs, tokenizer.stop_ids, work)
             rows += summarize("vllm", precision, peer, reference, fp32_model if precision == "fp32" else None, prompts)
-            warmups[f"vllm {precision} k={k}"] = {"engine_and_warmup_s": round(peer["process_s"], 1),
+            warmups[f"vllm {precision} k={k}"] = {"process_s": round(peer["process_s"], 1),  # start, warm-up, runs
                                                   "warmup_s": round(peer["warmup_s"], 1)}
             if peer.get("ttft_s"):
                 ttft[f"vllm {precision}"] = peer["ttft_s"]
