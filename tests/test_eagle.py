@@ -916,6 +916,19 @@ def test_cli_batch_prints_what_one_at_a_time_prints(cli_files, tmp_path, monkeyp
     assert code == 0 and from_file == together, err
 
 
+def test_cli_compiled_batch_warms_up_first(cli_files, monkeypatch, capsys):
+    """--batch_size 2 --compile: the engine's steps compile in a warm-up (said on stderr) before the timed batch,
+    whose texts are the eager batch's."""
+    argv = ["--prompt", "The owl", "Name a fruit.", "--max_new_tokens", "8", "--eagle", "--eagle_head",
+            cli_files / "head", "--tree", "chain-2", "--batch_size", "2", "--autotune", "off"]
+    code, eager, err = run_cli_in_process(argv, monkeypatch, capsys)
+    assert code == 0 and "Compiling" not in err, err
+    code, compiled, err = run_cli_in_process(argv + ["--compile"], monkeypatch, capsys)
+    assert code == 0, err
+    assert err.index("Compiling the decode steps (warm-up) ...") < err.index("batch of 2, 2 sequences")
+    assert compiled == eager
+
+
 def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files, tmp_path, monkeypatch, capsys):
     """--tree auto where this machine's profile makes every tree slower than vanilla (each verify row costs a
     whole step, as in a large batch): generate.py says so and decodes plainly, the vanilla text."""
