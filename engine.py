@@ -312,6 +312,12 @@ class BatchStats:
         lengths = self.accept_lengths[row]
         return (sum(lengths) + len(lengths)) / max(1, len(lengths))
 
+    @property
+    def pooled_tau(self) -> Optional[float]:
+        """Tokens a cycle committed over every request's cycles (None: no EAGLE cycle ran)."""
+        cycles = sum(len(a) for a in self.accept_lengths)
+        return sum(sum(a) + len(a) for a in self.accept_lengths) / cycles if cycles else None
+
 
 # ---------------------------------------------------------------- the model steps over rows (eager, or compiled)
 def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool) -> Tensor:

@@ -112,11 +112,9 @@ def largest_fit(mem: dict, budget_mb: float) -> int:
 def run_group(session: Engine, prompts: list, args, sampling, stop_ids) -> dict:
     torch.manual_seed(args.seed)
     outs, stats = session.generate(prompts, args.max_new_tokens, sampling, stop_ids)
-    cycles = sum(len(a) for a in stats.accept_lengths)
-    committed = sum(sum(a) + len(a) for a in stats.accept_lengths)
     return {"outs": outs, "new_tokens": sum(stats.new_tokens), "time_s": stats.total_s,
             "tokens_per_s": stats.tokens_per_s, "target_forwards": stats.target_forwards,
-            "tau": committed / cycles if cycles else None}
+            "tau": stats.pooled_tau}
 
 
 @torch.no_grad()

@@ -128,10 +128,8 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
     for repeat in range(args.repeats):
         for n, method in order[repeat % len(order):] + order[: repeat % len(order)]:
             outs, stats = sessions[n, method].generate(prompts, args.max_new_tokens, sampling, stop_ids)
-            cycles = sum(len(a) for a in stats.accept_lengths)
             runs.append({"repeat": repeat, "concurrency": n, "method": "vanilla" if method == "vanilla" else args.tree,
-                         "wall_s": stats.total_s, "outs": outs,
-                         "tau": sum(sum(a) + len(a) for a in stats.accept_lengths) / cycles if cycles else None})
+                         "wall_s": stats.total_s, "outs": outs, "tau": stats.pooled_tau})
             print(f"ours {precision} N={n} {runs[-1]['method']}: {stats.tokens_per_s:.1f} tokens/s", file=sys.stderr)
     ttft = []
     for ids in longs:  # one at a time: the prefill and the first token
