@@ -111,7 +111,7 @@ def build_quick_checkpoint(out_dir: Path):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out_dir / f).write_bytes((tokenizer_dir / f).read_bytes())
     hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                 "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
                  "vocab_size": tokenizer.vocab_size, "rope_theta": 100000.0, "tie_word_embeddings": False}
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     config = ModelArgs.from_config(hf_config)

@@ -10,7 +10,8 @@ Protocol:
 - ours: an engine.Engine per (precision, N, vanilla / EAGLE with --tree), compiled, warmed up, then
   timed over all prompts with at most N in flight (continuous batching), at --threads;
 - vLLM: scripts/peer_vllm.py in the peers' environment (--vllm_python), on the model exported by
-  scripts/export_hf.py and our shipped head as its EAGLE drafter (k = --vllm_ks draft tokens), fp32 and bf16, its
+  scripts/export_hf.py and our shipped head (exported by it for vLLM: the fc bias folded) as its EAGLE drafter
+  (k = --vllm_ks draft tokens; tau from its speculative-decoding counters), fp32 and bf16, its
   engine bound to one core (VLLM_CPU_OMP_THREADS_BIND), prefix caching off, warmed up at every N, then timed the
   same way (its front end runs on the other core);
 - tokens/s = all new tokens / wall time of the pass (prefills included); --repeats passes, the median;
@@ -46,7 +47,7 @@ from eagle_head import EagleHead  # noqa: E402
 from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, git_state, json_safe, load_dataset,  # noqa: E402
                                   load_target, machine_info, render, repo_relative, select_questions)
 from scripts.benchmark_batch import divergence  # noqa: E402
-from scripts.export_hf import export_hf  # noqa: E402
+from scripts.export_hf import export_head, export_hf  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 
@@ -139,10 +140,10 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
     return {"runs": runs, "ttft_s": ttft, "warmup_s": warm, "model": model}
 
 
-def vllm(args, hf_dir: Path, head_dir: Path, precision: str, k: int, prompts: list, longs: list, stop_ids,
+def vllm(args, hf_dir: Path, vllm_head: Path, precision: str, k: int, prompts: list, longs: list, stop_ids,
          work: Path) -> dict:
     """One vLLM engine (precision, k) over every N, in the peers' environment."""
-    job = {"model": str(hf_dir), "head": str(head_dir), "dtype": VLLM_DTYPES[precision], "k": k,
+    job = {"model": str(hf_dir), "head": str(vllm_head), "dtype": VLLM_DTYPES[precision], "k": k,
            "concurrency": args.batch_sizes, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
            "stop_ids": sorted(stop_ids), "repeats": args.repeats, "long_prompts": longs if k == 0 else [],
            "max_model_len": max(map(len, prompts + longs)) + args.max_new_tokens + 8}
@@ -154,14 +155,18 @@ def vllm(args, hf_dir: Path, head_dir: Path, precision: str, k: int, prompts: li
         done = subprocess.run([str(args.vllm_python), str(REPO_ROOT / "scripts" / "peer_vllm.py"), str(job_path),
                                str(result_path)], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"vLLM {precision} k={k} failed ({tail[0][:300]}); its log: {log_path}")
+        lines = log_path.read_text().strip().splitlines() or ["no output"]
+        errors = [line for line in lines if "Error" in line] or lines  # the exception, not the shutdown that follows
+        raise RuntimeError(f"vLLM {precision} k={k} failed ({errors[-1][:300]})")
     result = json.loads(result_path.read_text())
     result["process_s"] = time.perf_counter() - start
     print(f"vLLM {precision} k={k}: " + ", ".join(f"N={r['concurrency']} {sum(map(len, r['outs'])) / r['wall_s']:.1f}"
                                                 for r in result["runs"]) + " tokens/s", file=sys.stderr)
     for r in result["runs"]:
         r["method"] = f"vllm-eagle-k{k}" if k else "vanilla"
+        drafts = r.get("spec_decode", {}).get("num_drafts")
+        if k and drafts:  # tokens per target step: the accepted drafts plus the target's own token
+            r["tau"] = 1 + r["spec_decode"]["num_accepted_tokens"] / drafts
     return result
 
 
@@ -179,6 +184,7 @@ def summarize(side: str, precision: str, result: dict, reference: list, model, p
                          "tokens_per_s": statistics.median(tokens_per_s(sum(map(len, r["outs"])), r["wall_s"])
                                                            for r in runs),
                          "new_tokens": sum(map(len, outs)), "tau": runs[0].get("tau"),
+                         "spec_decode": runs[0].get("spec_decode") or None,
                          "equal_to_reference": equal, "divergences": gaps})
     return rows
 
@@ -250,6 +256,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     if skipped is None and not args.vllm_python.is_file():
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
     hf_dir = None if skipped else export_hf(checkpoint.parent, work / "hf")
+    vllm_head = None if skipped else export_head(head_dir, work / "head")  # our head, fc bias folded for vLLM
     rows, ttft, warmups, reference, fp32_model = [], {}, {}, None, None
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
 
@@ -287,14 +294,12 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         if skipped or precision not in VLLM_DTYPES:
             continue
         for k in [0] + list(args.vllm_ks):
-            peer = vllm(args, hf_dir, head_dir, precision, k, prompts, longs, tokenizer.stop_ids, work)
+            peer = vllm(args, hf_dir, vllm_head, precision, k, prompts, longs, tokenizer.stop_ids, work)
             rows += summarize("vllm", precision, peer, reference, fp32_model if precision == "fp32" else None, prompts)
             warmups[f"vllm {precision} k={k}"] = {"process_s": round(peer["process_s"], 1),  # start, warm-up, runs
                                                   "warmup_s": round(peer["warmup_s"], 1)}
             if peer.get("ttft_s"):
                 ttft[f"vllm {precision}"] = peer["ttft_s"]
-            if peer.get("spec_decode"):
-                rows[-1]["spec_decode"] = peer["spec_decode"]
             write(f"after vllm {precision} k={k}")
     result = write(None)
     print(markdown(result), file=sys.stderr)

@@ -4,9 +4,16 @@ The inverse of scripts/convert_hf_checkpoint.py, so that a model converted here 
 loads in transformers, vLLM or SGLang: `wqkv` is split into q/k/v_proj, q/k rows (and biases) go back
 from model.py's interleaved rotary pairs to HF's half-split layout, and names become HF's. Written:
 `model.safetensors`, `config.json` (with `torch_dtype`), `generation_config.json`, and the tokenizer
-files with the chat template. EAGLE heads need no export: heads/ already holds them in the official layout.
+files with the chat template.
+
+An EAGLE-1 head (`--head`) is written for vLLM: heads/ holds it in EAGLE's own layout, whose config key
+"bias" means a bias on `fc`, but vLLM builds `fc` without one, reads "bias" as LLaMA's attention bias, and
+leaves those biases unloaded (NaN: every draft is rejected). The export folds the fc bias b into the first
+layer, exactly: its input fc(x) + b reaches the attention (q/k/v biases W_q b, W_k b, W_v b; rotary acts
+after the projection, so this is exact) and the residual (o_proj bias b); later layers get zero biases.
 
     python scripts/export_hf.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --out exports/smollm2
+    python scripts/export_hf.py --head heads/SmolLM2-135M-Instruct-eagle --out exports/smollm2-eagle
 """
 import argparse
 import json
@@ -17,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eagle_head import EAGLE3_ARCHITECTURES, read_head_config, read_weights  # noqa: E402
 from model import DTYPES, CheckpointError, ModelArgs, interleaved_to_halves  # noqa: E402
 from scripts.convert_hf_checkpoint import GLOBAL_NAMES, LAYER_NAMES  # noqa: E402
 
@@ -82,14 +90,54 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str | None = None) -> 
     return out_dir
 
 
+def vllm_head_state(config: dict, state: dict) -> tuple:
+    """An EAGLE-1 head's (config, weights) in EAGLE's layout -> the same function in vLLM's reading of it:
+    no fc bias, attention biases that carry it (see the module doc)."""
+    state = dict(state)
+    state.pop("embed_tokens.weight", None)  # vLLM shares the target's
+    bias = state.pop("fc.bias", None)
+    if bias is not None:
+        for i in range(int(config.get("num_hidden_layers", 1))):
+            prefix = f"layers.{i}.self_attn."
+            for proj in "qkvo":
+                weight = state[f"{prefix}{proj}_proj.weight"]
+                folded = bias if proj == "o" else weight @ bias
+                state[f"{prefix}{proj}_proj.bias"] = folded.contiguous() if i == 0 else torch.zeros_like(folded)
+    return {**config, "bias": False, "attention_bias": bias is not None}, state
+
+
+def export_head(head_dir: Path, out_dir: Path) -> Path:
+    """Write out_dir, an EAGLE-1 head for vLLM, from head_dir (heads/...); returns out_dir."""
+    from safetensors.torch import save_file
+
+    config = read_head_config(Path(head_dir))
+    if set(config.get("architectures", [])) & set(EAGLE3_ARCHITECTURES):
+        raise CheckpointError(f"{head_dir} is an EAGLE-3 head; --head exports EAGLE-1 heads (fc bias folded for vLLM)")
+    try:
+        config, state = vllm_head_state(config, read_weights(Path(head_dir)))
+    except KeyError as e:
+        raise CheckpointError(f"EAGLE head in {head_dir} lacks weight {e.args[0]}") from None
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.float().contiguous() for k, v in state.items()}, out_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint_dir", type=Path, required=True, help="directory with model.pth and config.json")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint_dir", type=Path, help="directory with model.pth and config.json")
+    source.add_argument("--head", type=Path, help="an EAGLE-1 head directory (heads/...), written for vLLM")
     parser.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
     parser.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: keep model.pth's)")
     args = parser.parse_args()
     try:
-        print(export_hf(args.checkpoint_dir, args.out, args.dtype))
+        if args.head:
+            print(export_head(args.head, args.out))
+        else:
+            print(export_hf(args.checkpoint_dir, args.out, args.dtype))
     except (CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
         sys.exit(f"error: {e}")
 

@@ -17,7 +17,8 @@ import time
 def engine_args(job: dict) -> dict:
     args = dict(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], seed=0,
                 max_num_seqs=max(job["concurrency"]), max_model_len=job["max_model_len"],
-                enable_prefix_caching=False)  # every method here prefills every prompt in full
+                enable_prefix_caching=False,  # every method here prefills every prompt in full
+                disable_log_stats=False)  # LLM turns its stats off by default: no speculative-decoding counters
     if job.get("k"):
         args["speculative_config"] = {"method": "eagle", "model": job["head"], "num_speculative_tokens": job["k"]}
     return args
@@ -73,13 +74,13 @@ def main():
                                                                          detokenize=False), f"warm{n}")
     result = {"warmup_s": time.perf_counter() - warm, "engine": engine_args(job), "runs": [],
               "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
-    before = spec_counters(llm)
     for repeat in range(job["repeats"]):
         for n in job["concurrency"]:
+            before = spec_counters(llm)
             outs, wall, _ = run_requests(engine, job["prompts"], n, params, f"r{repeat}c{n}")
-            result["runs"].append({"repeat": repeat, "concurrency": n, "wall_s": wall, "outs": outs})
-    after = spec_counters(llm)
-    result["spec_decode"] = {k: after[k] - before.get(k, 0) for k in after}
+            after = spec_counters(llm)
+            result["runs"].append({"repeat": repeat, "concurrency": n, "wall_s": wall, "outs": outs,
+                                   "spec_decode": {k: after[k] - before.get(k, 0) for k in after}})
     if job.get("long_prompts"):
         outs, wall, first = run_requests(engine, job["long_prompts"], 1, SamplingParams(
             temperature=0.0, max_tokens=1, detokenize=False), "long")

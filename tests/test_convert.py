@@ -185,3 +185,51 @@ def test_export_hf_errors_in_one_line(tmp_path):
                              "--out", str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "convert the model first" in result.stderr
+
+
+def test_export_head_for_vllm_is_the_same_function(tmp_path):
+    """export_hf.py --head: with the fc bias folded into layer 0's attention biases, a transformers LLaMA decoder
+    layer read the way vLLM's EAGLE-1 drafter reads it (attention_bias from the config, fc without a bias, no
+    input norm on layer 0) gives our head's output; an EAGLE-3 head is refused in one line."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from eagle_head import Eagle3Head, EagleHead
+    from model import ModelArgs
+    from safetensors.torch import load_file
+    from scripts.export_hf import export_head
+    tiny = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=96,
+                     rope_base=10000.0, tie_embeddings=True)
+    torch.manual_seed(0)
+    head = EagleHead.for_target(tiny, fc_bias=True).eval()
+    with torch.no_grad():
+        head.fc.bias.normal_(0, 1.0)  # a bias that matters
+    head.save(tmp_path / "head", target_embedding=torch.randn(tiny.vocab_size, tiny.dim))
+    out = export_head(tmp_path / "head", tmp_path / "vllm")
+    config, state = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    assert config["bias"] is False and config["attention_bias"] is True
+    assert "fc.bias" not in state and "embed_tokens.weight" not in state
+
+    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config._attn_implementation = "sdpa"  # causal without a mask
+    layer = LlamaDecoderLayer(hf_config, layer_idx=0).eval()
+    layer.input_layernorm = torch.nn.Identity()  # EAGLE-1's first layer has no input norm
+    layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in state.items() if k.startswith("layers.0.")},
+                          strict=False)
+    assert all(not torch.isnan(p).any() for p in layer.parameters())
+    T = 7
+    g = torch.Generator().manual_seed(0)
+    embeds, feats = torch.randn(1, T, tiny.dim, generator=g), torch.randn(1, T, tiny.dim, generator=g)
+    head.setup_caches(16)
+    with torch.no_grad():
+        ours = head(embeds, feats, torch.arange(T))
+        x = torch.cat([embeds, feats], -1) @ state["fc.weight"].T
+        position_embeddings = LlamaRotaryEmbedding(hf_config)(x, torch.arange(T)[None])
+        theirs = layer(x, position_embeddings=position_embeddings, position_ids=torch.arange(T)[None])
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+    Eagle3Head.for_target(tiny, feature_layers=(0, 1, 2)).save(tmp_path / "eagle3")
+    result = subprocess.run([sys.executable, "scripts/export_hf.py", "--head", str(tmp_path / "eagle3"),
+                             "--out", str(tmp_path / "x")], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1 and "EAGLE-3" in result.stderr
