@@ -59,6 +59,21 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: Optional[int] = None
     top_p: float = 1.0
+    # its own random numbers (a request's seed: the same seed, the same text), or None: torch's global generator.
+    # A generator compares by identity, so a seeded request's rows form a sampling group of their own.
+    generator: Optional[torch.Generator] = None
+
+    @classmethod
+    def seeded(cls, temperature: float = 0.0, top_k: Optional[int] = None, top_p: float = 1.0,
+               seed: Optional[int] = None) -> "Sampling":
+        """Settings whose draws come from a (CPU) generator seeded with seed (None: torch's global one)."""
+        return cls(temperature, top_k, top_p, None if seed is None else torch.Generator().manual_seed(seed))
+
+    def rand(self, *shape, dtype=None, device=None) -> Tensor:
+        """Uniform numbers in [0, 1) from this request's generator (drawn on the CPU, then moved to device)."""
+        if self.generator is None:
+            return torch.rand(*shape, dtype=dtype, device=device)
+        return torch.rand(*shape, dtype=dtype, generator=self.generator).to(device or "cpu")
 
     @property
     def greedy(self) -> bool:
@@ -80,8 +95,7 @@ class Sampling:
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
 
-    @staticmethod
-    def draw(probs: Tensor, k: int = 1) -> Tensor:
+    def draw(self, probs: Tensor, k: int = 1) -> Tensor:
         """k draws without replacement from each row of probs [..., V] (unnormalised is fine), in draw order
         [..., k], by inverse CDF: one uniform number per draw, where torch.multinomial draws V exponentials
         per row (milliseconds on a CPU at V = 49152). A row's draws past its non-zero entries are V - 1."""
@@ -89,7 +103,7 @@ class Sampling:
         out = []
         for j in range(k):
             cdf = rows.cumsum(-1)
-            u = torch.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+            u = self.rand(rows.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
             index = torch.searchsorted(cdf, u, right=True).clamp_max(rows.shape[-1] - 1)  # first cdf > u
             out.append(index)
             if j + 1 < k:
@@ -218,14 +232,14 @@ def accept_sampling(tokens: list, logits: Tensor, children: list, sampling: Samp
         for child in children[node]:
             x = tokens[child]
             if q is None or (lookup_from is not None and child >= lookup_from):
-                if torch.rand(()) < r[x]:
+                if sampling.rand(()) < r[x]:
                     break
                 r = r.clone()
                 r[x] = 0.0
             else:
                 if q[x] <= 0.0:
                     continue
-                if torch.rand(()) * q[x] < r[x]:
+                if sampling.rand(()) * q[x] < r[x]:
                     break
                 r = (r - q).clamp_min(0.0)
                 q = q.clone()

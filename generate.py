@@ -748,22 +748,9 @@ def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, 
     print(line, file=sys.stderr)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Vanilla and EAGLE speculative generation (LLaMA family).")
+def add_model_arguments(p: argparse.ArgumentParser):
+    """The flags that choose and run the model, shared by generate.py and serve.py."""
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", nargs="+", default=["Hello, my name is"],
-                   help="prompt text; several prompts run one after another, or together with --batch_size")
-    p.add_argument("--prompt_file", type=Path, help="prompts from this text file instead, one per line (blank lines "
-                   "skipped; a literal \\n stands for a line break within a prompt)")
-    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
-    p.add_argument("--raw", action="store_true", help="plain continuation of --prompt, without the chat template")
-    p.add_argument("--chat_template", action="store_true",
-                   help="wrap --prompt in the chat template (the default when the checkpoint has one)")
-    p.add_argument("--system", help="system prompt for --chat / --chat_template")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (engine.py): the "
-                   "prompts x samples run this many at a time, a finished row taking the next at once")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_k", type=int)
     p.add_argument("--top_p", type=float, default=1.0)
@@ -779,7 +766,6 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=["int8", "int4"], help="run int8 / int4 weights, quantized from the "
                    "float checkpoint on first use into a file beside it (quantize.py's, int4 with --quantize_lm_head)")
     p.add_argument("--compile", action="store_true", help="compile the decode / draft / verify steps")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
     p.add_argument("--autotune", choices=["auto", *AUTOTUNE_CHOICES], default="auto", help="with --compile: "
                    "freeze the weights into the graphs (freeze) and add inductor's max-autotune GEMM kernels (on); "
                    "auto: what scripts/profile_costs.py --autotune measured fastest here among what inductor's cache "
@@ -790,7 +776,10 @@ def parse_args(argv=None):
     p.add_argument("--eagle_head", type=Path, help="EAGLE head directory (default: the shipped head)")
     p.add_argument("--tree", default="auto", help="auto | chain-N | paper | dynamic-TOPK-DEPTH-NODES | list of paths "
                    "(auto: the tree predicted fastest on this machine, see auto_tree_for)")
-    args = p.parse_args(argv)
+
+
+def check_model_arguments(args):
+    """A UsageError for model flags out of range."""
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -799,13 +788,34 @@ def parse_args(argv=None):
         raise UsageError(f"--top_k must be >= 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.precision and (args.dtype or args.quantize):
+        raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Vanilla and EAGLE speculative generation (LLaMA family).")
+    add_model_arguments(p)
+    p.add_argument("--prompt", nargs="+", default=["Hello, my name is"],
+                   help="prompt text; several prompts run one after another, or together with --batch_size")
+    p.add_argument("--prompt_file", type=Path, help="prompts from this text file instead, one per line (blank lines "
+                   "skipped; a literal \\n stands for a line break within a prompt)")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
+    p.add_argument("--raw", action="store_true", help="plain continuation of --prompt, without the chat template")
+    p.add_argument("--chat_template", action="store_true",
+                   help="wrap --prompt in the chat template (the default when the checkpoint has one)")
+    p.add_argument("--system", help="system prompt for --chat / --chat_template")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (engine.py): the "
+                   "prompts x samples run this many at a time, a finished row taking the next at once")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
+    args = p.parse_args(argv)
+    check_model_arguments(args)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
         raise UsageError("--max_new_tokens, --num_samples and --batch_size must be >= 1")
     if args.batch_size > 1 and (args.chat or args.compile_prefill):
         raise UsageError("--batch_size > 1 does not go with --chat or --compile_prefill (its prefill runs eagerly); "
                          "drop one")
-    if args.precision and (args.dtype or args.quantize):
-        raise UsageError("--precision replaces --dtype and --quantize; give one or the other")
     if args.raw and (args.chat_template or args.chat):
         raise UsageError("--raw (plain continuation) cannot go with --chat_template or --chat; drop one")
     if args.prompt_file:

@@ -464,14 +464,14 @@ def test_draw_is_sampling_without_replacement():
     p(a) p(b) / (1 - p(a)), on unnormalised rows; draws with replacement fail the same test."""
     probs = 3 * torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.0, 0.6, 0.3]])
     torch.manual_seed(0)
-    draws = Sampling.draw(probs.expand(UNIT_DRAWS, 2, 4), 2)  # [draws, rows, k]
+    draws = Sampling().draw(probs.expand(UNIT_DRAWS, 2, 4), 2)  # [draws, rows, k]
     with_replacement = torch.multinomial(probs.repeat(UNIT_DRAWS, 1), 2, replacement=True).view(UNIT_DRAWS, 2, 2)
     for row in range(2):
         p = (probs[row] / probs[row].sum()).double().tolist()
         law = {(a, b): p[a] * p[b] / (1 - p[a]) for a in range(4) for b in range(4) if a != b}
         assert g_test(collections.Counter(map(tuple, draws[:, row].tolist())), law) > P_PASS
         assert g_test(collections.Counter(map(tuple, with_replacement[:, row].tolist())), law) < P_BROKEN
-    used_up = Sampling.draw(torch.tensor([0.0, 0.7, 0.3, 0.0]), 4)  # two non-zero entries, four draws
+    used_up = Sampling().draw(torch.tensor([0.0, 0.7, 0.3, 0.0]), 4)  # two non-zero entries, four draws
     assert sorted(used_up[:2].tolist()) == [1, 2] and used_up[2:].tolist() == [3, 3]
 
 

@@ -225,3 +225,25 @@ def test_requests_join_stream_and_are_cancelled(spec):
     queued = eng.add(prompts[0], n)
     eng.cancel(queued)  # cancelled before it ran: it never takes a row
     assert eng.step() == [] and queued.out == [] and queued.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("spec", [None, "chain-3", "dynamic-2-3-6"])
+def test_a_seeded_request_repeats_whatever_runs_beside_it(spec):
+    """A request with its own seed (Sampling.seeded) draws from its own generator: at temperature 1 it gets the same
+    tokens alone and beside other sampling requests (seeded otherwise, or on the global generator); another seed
+    gives other tokens."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(3, model.config.vocab_size, seed=5), 20
+    eng = Engine(model, max(map(len, prompts)) + n, 3, head, None if spec is None else parse_tree(spec))
+
+    def run(seed, neighbours):
+        request = eng.add(prompts[0], n, Sampling.seeded(1.0, seed=seed))
+        others = [eng.add(p, n, s) for p, s in zip(prompts[1:], neighbours)]
+        while not all(r.done for r in [request, *others]):
+            eng.step()
+        return request.out
+
+    alone = run(7, [])
+    assert run(7, [Sampling(1.0), Sampling.seeded(0.8, top_p=0.9, seed=7)]) == alone
+    assert run(7, [Sampling()]) == alone and run(8, []) != alone
