@@ -27,6 +27,7 @@ tree (EAGLE-2) grows each row's own tree, its mask and depths per row. compile=T
 graphs of static shape, the live slot count of their masks dynamic, so nothing recompiles as rows advance,
 finish and are refilled.
 """
+import itertools
 import json
 import time
 import types
@@ -159,21 +160,30 @@ def without_global_state_guard(guards) -> list:
     return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
 
 
-def compile_step(f: Callable, inductor_config: Optional[dict] = None, **options) -> Callable:
+def own_code(f: Callable, tag: str) -> Callable:
+    """A copy of f with a code object of its own (named f_tag): Dynamo keeps compiled graphs, and counts
+    recompiles against its limit of 8, per code object."""
+    return types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag}"), f.__globals__, f.__name__,
+                              f.__defaults__, f.__closure__)
+
+
+def compile_step(f: Callable, inductor_config: Optional[dict] = None, tag: Optional[str] = None, **options) -> Callable:
     """torch.compile(f, **options), called under torch._inductor.config.patch(inductor_config): inductor compiles at
     the first call and reads `freezing` from its config module there; passed as torch.compile(options=...) it is
     not honoured, and without frozen weights the max-autotune GEMM templates are never used (issue 29: the
     compiled code then holds no _frozen_param; the patch costs ~30 us a call). With inductor_config, f is compiled
     as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
     would otherwise hand this step the graph a default compile of the same function made earlier in the process
-    (as when the benchmark runs both)."""
+    (as when the benchmark runs both). tag: a code object of its own for this caller too (each Engine: a process
+    of many engines, e.g. three precisions at four batch sizes, would exceed Dynamo's recompile limit)."""
     if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
         options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
+    if inductor_config:
+        tag = f"{zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode()):08x}" + (f"_{tag}" if tag else "")
+    if tag:
+        f = own_code(f, tag)
     if not inductor_config:
         return torch.compile(f, **options)
-    tag = zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode())  # one code object per setting
-    f = types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag:08x}"), f.__globals__, f.__name__,
-                           f.__defaults__, f.__closure__)
     compiled = torch.compile(f, **options)
     # quiet: the autotuner prints every timing table to stderr (PRINT_AUTOTUNE, a module flag, and the choices'
     # stats) and reads a tensor's storage(), whose deprecation warning is torch's own, not the user's
@@ -376,6 +386,9 @@ def by_sampling(rows: list) -> dict:
     return groups
 
 
+ENGINES = itertools.count()  # engines made in this process (their compiled steps' tags)
+
+
 class Engine:
     """Rows decoded together by a target (and an optional EAGLE head with a static or dynamic tree): requests
     are added with their own prompt, budget, sampling and stop tokens, wait in a queue for a free row, and
@@ -384,15 +397,16 @@ class Engine:
     def __init__(self, model: Transformer, max_seq_len: int, max_rows: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, compile: bool = False,
                  inductor_config: Optional[dict] = None):
-        """compile: the steps as compiled graphs, inductor_config applied when they compile (generate.COMPILE_KINDS:
+        """compile: the steps as compiled graphs, inductor_config applied when they compile (tuning.COMPILE_KINDS:
         None for the default kind, or frozen weights, or frozen and autotuned)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
         steps = (decode_rows, verify_rows, draft_step, update_rows)
-        if compile:
-            steps = [compile_step(f, inductor_config, fullgraph=True, dynamic=False) for f in steps]
+        if compile:  # this engine's own graphs (own_code)
+            tag = f"engine{next(ENGINES)}"
+            steps = [compile_step(f, inductor_config, tag, fullgraph=True, dynamic=False) for f in steps]
         self.decode, self.verify, self.draft_step, self.update = steps
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
         self.cache_len = max_seq_len + scratch

@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--no_vllm", action="store_true", help="ours only")
     p.add_argument("--out", type=Path, help="output folder (default: results/<date>-<machine>-peers)")
     p.add_argument("--quick", action="store_true", help="tiny random model and head, eager, a few prompts")
+    p.add_argument("--resume", action="store_true", help="keep the configurations <out>/benchmark.json holds (a run "
+                   "that stopped) and measure the others, the same arguments given")
     args = p.parse_args(argv)
     args.limit = args.limit or (4 if args.quick else 20)
     args.max_new_tokens = args.max_new_tokens or (16 if args.quick else 64)
@@ -220,6 +222,9 @@ def markdown(result: dict) -> str:
     if result["summary"].get("ttft_s"):
         lines += ["", f"Time to first token, {m['long_prompt_tokens']} prompt tokens, one at a time (median s):", ""]
         lines += [f"- {name}: {statistics.median(v):.2f}" for name, v in result["summary"]["ttft_s"].items()]
+    for r in m.get("resumed", []):
+        lines += ["", f"Resumed ({r['date']}, commit {(r['git'].get('commit') or '?')[:7]}) {r['after']}: the rows after "
+                  "that come from the resumed process."]
     if m.get("unfinished"):
         lines += ["", f"**Unfinished run**: stopped {m['unfinished']}."]
     if m.get("vllm_skipped"):
@@ -245,6 +250,12 @@ def ratios(rows: list, batch_sizes: list) -> dict:
     return out
 
 
+def reference_outs(checkpoint: Path, prompts: list, max_new_tokens: int, stop_ids) -> list:
+    """Ours fp32 vanilla one at a time (eager): the texts every other is compared with."""
+    engine = Engine(load_target(checkpoint, "fp32", "cpu"), max(map(len, prompts)) + max_new_tokens, 1)
+    return engine.generate(prompts, max_new_tokens, generate.Sampling(0.0), stop_ids)[0]
+
+
 def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     started = time.perf_counter()
     info = machine_info("cpu")
@@ -257,8 +268,16 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
     hf_dir = None if skipped else export_hf(checkpoint.parent, work / "hf")
     vllm_head = None if skipped else export_head(head_dir, work / "head")  # our head, fc bias folded for vLLM
-    rows, ttft, warmups, reference, fp32_model = [], {}, {}, None, None
+    rows, ttft, warmups, reference, fp32_model, resumed = [], {}, {}, None, None, []
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
+    if args.resume and (out / "benchmark.json").is_file():
+        before = json.loads((out / "benchmark.json").read_text())
+        rows, ttft = before["summary"]["rows"], before["summary"]["ttft_s"]
+        warmups, reference = before["metadata"]["warmup_s"], before.get("reference_outs")
+        resumed = before["metadata"].get("resumed", []) + [{"after": before["metadata"]["unfinished"],
+                                                            "git": git_state(), "date": date.today().isoformat()}]
+        command = before["metadata"]["command"]
+    done = {(r["side"], r["precision"], r["method"]) for r in rows}
 
     def write(unfinished: Optional[str]) -> dict:
         """The results so far (after every configuration, so a run stopped midway keeps what it measured)."""
@@ -271,8 +290,9 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
                          "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
                          "vllm_ks": args.vllm_ks, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
                          "long_prompt_tokens": [len(p) for p in longs], "warmup_s": warmups,
-                         "wall_s": round(time.perf_counter() - started, 1)},
-            "summary": {"rows": rows, "ours_over_vllm": ratios(rows, args.batch_sizes), "ttft_s": ttft}})
+                         "wall_s": round(time.perf_counter() - started, 1), "resumed": resumed},
+            "summary": {"rows": rows, "ours_over_vllm": ratios(rows, args.batch_sizes), "ttft_s": ttft},
+            "reference_outs": reference})
         out.mkdir(parents=True, exist_ok=True)
         (out / "benchmark.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
         (out / "benchmark.md").write_text(markdown(result))
@@ -280,20 +300,25 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
 
     # fp32 first (its vanilla text one at a time is the reference), then the others in the order given
     precisions = sorted(dict.fromkeys(args.precisions), key=lambda p: p != "fp32")
+    if reference is None and rows:  # resumed from a run that did not keep its reference texts
+        reference = reference_outs(checkpoint, prompts, args.max_new_tokens, tokenizer.stop_ids)
     for precision in precisions:
-        result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
-        if reference is None:
-            reference = next(r["outs"] for r in result["runs"] if r["method"] == "vanilla"
-                             and r["concurrency"] == args.batch_sizes[0])
-        model = result.pop("model")
-        if precision == "fp32":
-            fp32_model = model
-        rows += summarize("ours", precision, result, reference, fp32_model if precision == "fp32" else None, prompts)
-        ttft[f"ours {precision}"], warmups[f"ours {precision}"] = result["ttft_s"], result["warmup_s"]
-        write(f"after ours {precision}")
+        if ("ours", precision, "vanilla") not in done:
+            result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
+            if reference is None:
+                reference = next(r["outs"] for r in result["runs"] if r["method"] == "vanilla"
+                                 and r["concurrency"] == args.batch_sizes[0])
+            model = result.pop("model")
+            if precision == "fp32":
+                fp32_model = model
+            rows += summarize("ours", precision, result, reference, fp32_model if precision == "fp32" else None, prompts)
+            ttft[f"ours {precision}"], warmups[f"ours {precision}"] = result["ttft_s"], result["warmup_s"]
+            write(f"after ours {precision}")
         if skipped or precision not in VLLM_DTYPES:
             continue
         for k in [0] + list(args.vllm_ks):
+            if ("vllm", precision, f"vllm-eagle-k{k}" if k else "vanilla") in done:
+                continue
             peer = vllm(args, hf_dir, vllm_head, precision, k, prompts, longs, tokenizer.stop_ids, work)
             rows += summarize("vllm", precision, peer, reference, fp32_model if precision == "fp32" else None, prompts)
             warmups[f"vllm {precision} k={k}"] = {"process_s": round(peer["process_s"], 1),  # start, warm-up, runs

@@ -1,4 +1,4 @@
-"""Cost model of this machine for tree.auto_tree: what each piece of an EAGLE cycle costs against its rows.
+"""Cost model of this machine for tuning.auto_tree: what each piece of an EAGLE cycle costs against its rows.
 
     python scripts/profile_costs.py --threads 1                        # -> ~/.cache/eagle-fast/costs-<key>.json
     python scripts/profile_costs.py --threads 1 --precisions int4 --batch_sizes 2 4 8   # + batched cycles
@@ -21,7 +21,7 @@ would take about a minute each to compile. The check block times fixed-shape gra
 compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
 dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
 model calls; of generate.py it takes COMPILE_KINDS and compile_step, which applies them). With --autotune,
-fixed-shape verifies compiled each of generate.COMPILE_KINDS' ways (default; weights frozen; frozen and
+fixed-shape verifies compiled each of tuning.COMPILE_KINDS' ways (default; weights frozen; frozen and
 inductor's max-autotune) are timed against each other (autotune_table); `autotune[precision].auto`, the fastest
 kind at least AUTOTUNE_MARGIN faster than the default among those inductor's on-disk cache keeps, is what
 generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
@@ -30,9 +30,9 @@ this machine's, see main).
 
 The JSON is keyed by instruction set (amx / avx512_bf16 / avx512 / avx2, from /proc/cpuinfo), thread
 count and torch version, the things the curves depend on, and holds the target's shape ("model",
-generate.profile_model): generate.py uses a profile only for a target of that shape. --checkpoint and
+tuning.profile_model): generate.py uses a profile only for a target of that shape. --checkpoint and
 --eagle_head measure another model (its model.pth / quantized files, an EAGLE-1 head for it); the latest
-profile of a machine key is the one kept. tree.CycleCosts.from_profile reads it.
+profile of a machine key is the one kept. tuning.CycleCosts.from_profile reads it.
 """
 import argparse
 import contextlib
@@ -44,7 +44,6 @@ import signal
 import statistics
 import sys
 import time
-import types
 from datetime import date
 from pathlib import Path
 from typing import Optional
@@ -55,8 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer, causal_mask  # noqa: E402
-from generate import COMPILE_KINDS, compile_step, profile_model  # noqa: E402
-from tree import cost_profile_path, cpu_family, instruction_set  # noqa: E402
+from engine import compile_step  # noqa: E402
+from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, instruction_set, profile_model  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
@@ -106,16 +105,11 @@ def update_rows(model, head, tokens, features, input_pos, mask, last):
     return hidden, top.values, head.token_ids(top.indices)
 
 
-def fresh(fn, tag: str):
-    """A copy of fn with a code object of its own, so that torch.compile keeps its graphs apart (Dynamo
-    caches graphs per code object: a fixed-shape compile of verify_rows would otherwise reuse the
-    dynamic graph, and four precisions would share one cache)."""
-    return types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{tag}"), fn.__globals__)
-
-
 def compiled(fn, tag: str, inductor_config=None):
-    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value)."""
-    return compile_step(fresh(fn, tag), inductor_config, fullgraph=True, dynamic=False)
+    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value), its
+    graphs its own (engine.own_code: a fixed-shape compile of verify_rows would otherwise reuse the dynamic graph,
+    and four precisions would share one cache)."""
+    return compile_step(fn, inductor_config, tag, fullgraph=True, dynamic=False)
 
 
 def dynamic(*marks):
@@ -230,7 +224,6 @@ def calibrate(model, head, precision: str, mode: str, batch_size: int = 1) -> di
     CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is; with batch_size > 1
     the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for int4 here, 4 min
     compiled (with the cores shared); generate.py caches it. main()'s full profile replaces it."""
-    from generate import profile_model
 
     start = time.perf_counter()
     pieces = Pieces.of(model, head, mode, f"calibration_{precision}_b{batch_size}", max(CALIBRATION_ROWS["verify"]),
@@ -276,7 +269,7 @@ def paused(*pids: Optional[int]):
 
 
 def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullcontext) -> dict:
-    """Per precision, fixed-shape verifies of `rows` rows compiled each of generate.COMPILE_KINDS' ways, as
+    """Per precision, fixed-shape verifies of `rows` rows compiled each of tuning.COMPILE_KINDS' ways, as
     generate.py --compile compiles them: ms per kind, whether inductor's on-disk cache could keep the kind's graphs
     (frozen graphs holding oneDNN-packed weights cannot: they are rebuilt at every start), and `auto`, the kind
     --autotune auto takes: the fastest (geometric mean over rows) at least AUTOTUNE_MARGIN faster than the default
@@ -378,7 +371,7 @@ def main(argv=None):
                    "--tree auto reads them), at row counts BATCH_ROWS")
     p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
                    help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled each of "
-                   "generate.COMPILE_KINDS' ways (default, frozen, frozen + max-autotune): generate.py --autotune auto "
+                   "tuning.COMPILE_KINDS' ways (default, frozen, frozen + max-autotune): generate.py --autotune auto "
                    "follows the result")
     args = p.parse_args(argv)
     if any(b < 2 for b in args.batch_sizes):

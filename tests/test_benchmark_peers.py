@@ -44,3 +44,23 @@ def test_bad_arguments_fail_in_one_line():
         done = subprocess.run([sys.executable, "scripts/benchmark_peers.py", *argv], cwd=REPO_ROOT,
                               capture_output=True, text=True)
         assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path, lean_torch):
+    """--resume keeps the configurations benchmark.json holds and measures the others against the same reference
+    texts (kept in the file, or computed again where an older file lacks them); the file says it was resumed."""
+    out = tmp_path / "out"
+    common = ["--quick", "--no_vllm", "--batch_sizes", "1", "--out", str(out)]
+    first = main(common + ["--precisions", "fp32"])
+    assert len(first["reference_outs"]) == 4
+    stored = json.loads((out / "benchmark.json").read_text())
+    stored["metadata"]["unfinished"] = "after ours fp32"
+    del stored["reference_outs"]  # as a file written before the texts were kept
+    (out / "benchmark.json").write_text(json.dumps(stored))
+    resumed = main(common + ["--precisions", "fp32", "bf16", "--resume"])
+    rows = resumed["summary"]["rows"]
+    assert [(r["precision"], r["method"]) for r in rows] == [("fp32", "vanilla"), ("fp32", "chain-1"),
+                                                            ("bf16", "vanilla"), ("bf16", "chain-1")]
+    assert rows[:2] == first["summary"]["rows"] and resumed["reference_outs"] == first["reference_outs"]
+    assert resumed["metadata"]["resumed"][0]["after"] == "after ours fp32" and not resumed["metadata"]["unfinished"]
+    assert "Resumed (" in (out / "benchmark.md").read_text()

@@ -8,7 +8,8 @@ import torch
 
 import engine
 from engine import Engine
-from generate import COMPILE_KINDS, Sampling, Session, UsageError
+from generate import Sampling, Session, UsageError
+from tuning import COMPILE_KINDS
 from test_eagle import (CUSTOM_TREE, E2E_PROMPT, E2E_VOCAB, MAIN_E2E, P_BROKEN, P_PASS, SAMPLING_CONFIGS, VerifierLog,
                         accept_sampling_without_residual, copycat_head, first_tokens_law, g_test, tiny_prompts,
                         tiny_target)
@@ -247,3 +248,14 @@ def test_a_seeded_request_repeats_whatever_runs_beside_it(spec):
     alone = run(7, [])
     assert run(7, [Sampling(1.0), Sampling.seeded(0.8, top_p=0.9, seed=7)]) == alone
     assert run(7, [Sampling()]) == alone and run(8, []) != alone
+
+
+def test_each_compiled_engine_has_graphs_of_its_own():
+    """Dynamo keeps graphs, and counts recompiles against its limit of 8, per code object: each compiled engine's
+    steps get code objects of their own, so a process of many engines (the peer benchmark: three precisions at
+    four batch sizes) never reaches that limit (it did: FailOnRecompileLimitHit at the ninth)."""
+    model = tiny_target()
+    codes = [[step._torchdynamo_orig_callable.__code__ for step in (e.decode, e.verify, e.draft_step, e.update)]
+             for e in (Engine(model, 64, n, compile=True) for n in (1, 2, 2))]
+    assert len({id(c) for steps in codes for c in steps}) == 12
+    assert codes[0][0].co_name.startswith("decode_rows_engine")
