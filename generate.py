@@ -16,7 +16,6 @@ The model steps run eagerly or compiled (Steps); CacheWindow decides how many ca
 Several sequences at once (--batch_size) run on engine.Engine, the same cycle over rows.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,11 +31,11 @@ from eagle_head import EagleHead, load_head
 from engine import (Engine, HeadPrediction, Sampling, UsageError, accept_greedy, accept_sampling, argmax_tokens,
                     check_fits, compile_step, draft_step, head_prediction, sample)
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer, causal_mask
-from tree import (ContextLookup, CycleCosts, Draft, DynamicTree, Tree, auto_tree, cost_profile_path, cpu_family,
-                  instruction_set, parse_tree, same_cpu, tree_attention_mask)
+from tree import ContextLookup, Draft, DynamicTree, Tree, parse_tree, tree_attention_mask
+from tuning import (AUTOTUNE_CHOICES, COMPILE_KINDS, PRECISIONS, START_WINDOW_S, ThreadGovernor, auto_tree_choice,
+                    compile_kind, fastest_precision, warm_up)
 
 DEFAULT_HEAD = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle"
-REFERENCE_PROFILES = DEFAULT_HEAD / "cost_profiles"  # profile_costs.py's JSON from each kind of machine measured
 
 
 # ---------------------------------------------------------------- model steps (eager, or compiled by Steps)
@@ -92,16 +91,6 @@ class Steps:
 
 
 EAGER = Steps()
-# Freezing folds the weights into the graphs as constants, so inductor can prepack them for oneDNN and fold
-# what depends on them only; max-autotune adds its own CPU GEMM micro-kernels (AVX-512, AMX) where they beat
-# the ATen / oneDNN calls, picked by timing both per matrix shape at compile time. Which pays depends on the CPU
-# and precision (AVX-512 BF16, one thread, a one-row step: bf16 24.9 -> 16.1 ms frozen, 27.6 autotuned; int4
-# 10.6 -> 9.9 frozen, 8.6 autotuned; up to 2x on a Xeon with AMX): scripts/profile_costs.py --autotune measures
-# the three on the machine at hand, --autotune auto follows the measurement. Frozen graphs holding oneDNN-packed
-# weights (bf16, int8, fp32) are rebuilt at every start (inductor's cache cannot store them); int4's are kept.
-FREEZE_OPTIONS = {"freezing": True}
-AUTOTUNE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
-COMPILE_KINDS = {"default": None, "frozen": FREEZE_OPTIONS, "autotuned": AUTOTUNE_OPTIONS}  # --autotune off/freeze/on
 
 
 @dataclass
@@ -130,67 +119,6 @@ class CacheWindow:
         """tree_attention_mask for nodes at slots base + j, j < tree_mask.shape[1]."""
         return self.mark(tree_attention_mask(base, tree_mask, self.slots(base + tree_mask.shape[1], cache_len)))
 
-
-# ---------------------------------------------------------------- threads on a shared machine
-def read_proc(path: str) -> Optional[str]:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
-
-
-def cpu_ticks(stat: str, self_stat: str) -> tuple:
-    """(busy clock ticks of all CPUs, of this process) from the texts of /proc/stat and /proc/self/stat."""
-    fields = [int(x) for x in stat.split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
-    own = self_stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-    return busy, int(own[11]) + int(own[12])  # utime + stime of every thread
-
-
-def threads_for(other_busy: float, cpus: int) -> int:
-    """Threads for `cpus` cores of which other processes keep `other_busy` cores' worth busy: one per core they
-    leave free (a core counts as taken from 0.4 of it on: our spinning threads crowd a busy neighbour down)."""
-    return max(1, cpus - int(other_busy + 0.6))
-
-
-class ThreadGovernor:
-    """--threads auto: as many threads as the cores other processes leave free, re-checked every `interval`
-    seconds while generating (check() between steps). An OpenMP thread on a core another process holds stalls
-    every barrier of every step: a vanilla step ran 10x slower at 2 threads with one core busy than at 1
-    (issue 29), and no waiting policy is free when idle. Other processes' load is all CPUs' busy time less
-    this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default.
-    torch.set_num_threads reaches ATen's kernels at once, and inductor's too where they were compiled for every
-    core (warm_up compiles them so); the change recompiles nothing (without_global_state_guard)."""
-
-    def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
-        self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock
-        self.enabled = read("/proc/stat") is not None
-        self.forget()
-
-    def forget(self):
-        """Measure the load from now on (what came before, e.g. the compiler's processes, no longer counts)."""
-        self.last = self.sample()
-
-    def sample(self):
-        stat, own = self.read("/proc/stat"), self.read("/proc/self/stat")
-        return (self.clock(), *cpu_ticks(stat, own)) if stat and own else None
-
-    def check(self, force: bool = False) -> int:
-        """Set the thread count from the load since the last check (at most every `interval` s); returns it."""
-        if self.enabled and self.last and (force or self.clock() - self.last[0] >= self.interval):
-            now = self.sample()
-            seconds, busy, own = (a - b for a, b in zip(now, self.last))
-            if seconds > 0:
-                other = max(0.0, (busy - own) / TICKS_PER_S / seconds)
-                threads = threads_for(other, self.cpus)
-                if threads != torch.get_num_threads():
-                    torch.set_num_threads(threads)
-            self.last = now
-        return torch.get_num_threads()
-
-
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-START_WINDOW_S = 0.25  # the load measured at start-up, before the thread count is first set
 
 
 # ---------------------------------------------------------------- session state
@@ -444,214 +372,6 @@ def load(args):
     return model, tokenizer, head, tree
 
 
-PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# A larger tree must be predicted this much faster to be chosen: the acceptance model (held-out ShareGPT
-# answers) is optimistic on MT-bench, more so the deeper the node (80 first turns, int4: tau +9% for chain-1,
-# +15% for chain-2), so a smaller margin lets the model's error pick. At 2 threads chain-2 was predicted
-# 2.8% faster than chain-1 and measured 1.07x against chain-1's 1.12x
-# (results/2026-12-01-amd-epyc-2cpu-avx512-bf16-mtbench80-auto-t2); 2% had let it through.
-AUTO_TREE_MARGIN = 0.05
-
-
-def precision_of(model: Transformer) -> str:
-    """fp32 / bf16 / int8 / int4: the names of cost profiles."""
-    return model.quantization["mode"] if model.quantization else PRECISIONS[model.tok_embeddings.weight.dtype]
-
-
-def profile_model(config: ModelArgs) -> str:
-    """The target shape a cost profile holds (its curves depend on it; scripts/profile_costs.py writes it)."""
-    c = config
-    return f"dim{c.dim}-layers{c.n_layer}-heads{c.n_head}/{c.n_local_heads}-ffn{c.intermediate_size}-vocab{c.vocab_size}"
-
-
-def cost_profile(config: ModelArgs) -> tuple:
-    """(path, the cost profile at this thread count for a target of config's shape, or None, and the shape the
-    machine's own profile holds when it is another model's, else None). This machine's own profile
-    (scripts/profile_costs.py), else the shipped reference profile of this instruction set and thread count
-    (REFERENCE_PROFILES) when it is of this model and was measured on a CPU of this family (tree.cpu_family:
-    one instruction set's CPUs differ); its table of compile kinds (profile_costs --autotune) only where that
-    was measured on such a CPU too ("autotune_cpu_family", where it differs from the curves')."""
-    threads = torch.get_num_threads()
-    path = cost_profile_path(threads)
-    profile = json.loads(path.read_text()) if path.is_file() else None
-    measured = profile and profile.get("model", "not recorded: profiled before profiles named their model")
-    other = measured if profile and measured != profile_model(config) else None
-    reference = REFERENCE_PROFILES / f"{instruction_set()}-t{threads}.json"
-    if (profile is None or other) and reference.is_file():
-        shipped, cpu = json.loads(reference.read_text()), cpu_family()
-        if shipped.get("model") == profile_model(config) and same_cpu(shipped.get("cpu_family"), cpu):
-            if not same_cpu(shipped.get("autotune_cpu_family", shipped["cpu_family"]), cpu):
-                shipped.pop("autotune", None)  # frozen_ratio 1, --autotune auto: the default compile
-            return reference, shipped, None
-    return path, None if other else profile, other
-
-
-def profile_source(path: Path) -> str:
-    """Which profile a choice came from, for its status line."""
-    if path.parent == REFERENCE_PROFILES or path.name.startswith("calibration-"):
-        what = f"reference cost profile {path.stem} of the shipped head (CPU {json.loads(path.read_text())['cpu_family']})" \
-            if path.parent == REFERENCE_PROFILES else f"this machine's quick calibration {path.name}"
-        return f"{what}; python scripts/profile_costs.py --threads {torch.get_num_threads()} measures it in full"
-    return f"this machine's cost profile {path.name}"
-
-
-def profile_hint(other: Optional[str]) -> str:
-    """The command that measures a missing profile (for another model than the one measured: with --checkpoint)."""
-    threads = torch.get_num_threads()
-    return (f"python scripts/profile_costs.py --threads {threads} measures one" if other is None else
-            f"the one there is of another model ({other}); python scripts/profile_costs.py --threads {threads} "
-            "--checkpoint DIR --eagle_head DIR measures this one")
-
-
-def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1):
-    """(CycleCosts, path) of this machine's quick calibration at the model's precision, this thread count and batch
-    size, run now and cached if missing (scripts/profile_costs.calibrate: seconds eager, minutes compiled, once);
-    None for an EAGLE-3 head, which profile_costs cannot time."""
-    from eagle_head import Eagle3Head
-
-    if isinstance(head, Eagle3Head):
-        return None
-    precision = precision_of(model)
-    full = cost_profile_path(torch.get_num_threads())  # costs-<key>.json: the calibration sits beside it
-    path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
-    profile = json.loads(path.read_text()) if path.is_file() else {}
-    if profile.get("model") != profile_model(model.config) or not CycleCosts.in_profile(profile, precision, batch_size):
-        from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
-
-        batch = f", batch {batch_size}" if batch_size > 1 else ""
-        print(f"tree auto: no cost profile of this machine for {precision} at {torch.get_num_threads()} threads{batch}; "
-              f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)
-        if head.lm_head is None:
-            head.bind(model.output.weight)
-        fresh = calibrate(model, head, precision, mode, batch_size)
-        if profile.get("model") == fresh["model"]:  # keep what was calibrated before
-            fresh["precisions"] = {**profile.get("precisions", {}), **fresh["precisions"]}
-            batches = profile.get("batches", {})
-            for b, table in fresh["batches"].items():
-                batches[b] = {**batches.get(b, {}), **table}
-            fresh["batches"] = batches
-        profile = fresh
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile, indent=1))
-        print(f"{profile['wall_s']:.0f} s", file=sys.stderr)
-    return CycleCosts.from_profile(profile, precision, batch_size), path
-
-
-def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None,
-                 batch_size: int = 1, kind: str = "default"):
-    """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
-    count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
-    scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
-    calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs; kind: of steps
-    compiled so (COMPILE_KINDS, --autotune; tree.frozen_ratio). Returns (CycleCosts, acceptance dict, the
-    profile's path), or (None, why not: one line, None)."""
-    precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
-    path, profile, other = cost_profile(model.config)
-    costs = profile if device == "cpu" and profile else {"precisions": {}}
-    if not acceptance.is_file():
-        return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
-                      f"{head_dir} writes it"), None
-    if not CycleCosts.in_profile(costs, precision, batch_size):
-        calibrated = calibrated_costs(model, *calibrate_with, batch_size) if calibrate_with and device == "cpu" else None
-        if calibrated is None:
-            batch = f", batch {batch_size}" if batch_size > 1 else ""
-            why = f"no cost profile of this machine for {precision} at {threads} threads{batch}: {profile_hint(other)}"
-            return None, why, None
-        return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
-    return CycleCosts.from_profile(costs, precision, batch_size, kind), json.loads(acceptance.read_text()), path
-
-
-def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True,
-                      autotune: str = "off") -> str:
-    """--precision auto: of the precisions in this machine's cost profile, the one predicted fastest: by a
-    vanilla decode step's time, or with head_dir (--eagle) by that times the speedup of --tree auto's tree
-    there (the head's acceptance.json; a context branch only when greedy, as auto_tree_for). autotune: the
-    --autotune choice of a compiled run ("off" when not compiled): each precision is costed as it would compile."""
-    _, profile, other = cost_profile(config)
-    if profile is None:
-        raise UsageError(f"--precision auto needs this machine's cost profile at {torch.get_num_threads()} "
-                         f"threads of this model: {profile_hint(other)}")
-    acceptance = head_dir and head_dir / "acceptance.json"
-    acceptance = json.loads(acceptance.read_text()) if acceptance and acceptance.is_file() else None
-    speeds = {}
-    for precision in profile["precisions"]:
-        kind = AUTOTUNE_CHOICES.get(autotune) or auto_compile_kind(profile, precision)
-        costs = CycleCosts.from_profile(profile, precision, kind=kind)
-        gain = best_tree(acceptance, costs, greedy).speedup if acceptance else 1.0
-        speeds[precision + f" {kind}" * (kind != "default")] = 1000 / costs.decode_ms * gain
-    best = max(speeds, key=speeds.get)
-    print(f"precision auto: {best} (predicted tokens/s{' with EAGLE' if acceptance else ''}: "
-          + ", ".join(f"{p} {v:.0f}" for p, v in sorted(speeds.items(), key=lambda kv: -kv[1])) + ")", file=sys.stderr)
-    return best.split()[0]
-
-
-def best_tree(acceptance: dict, costs: CycleCosts, greedy: bool = True):
-    """tree.auto_tree's choice (a tree.AutoTree) under the head's acceptance model and `costs`, as --tree auto
-    scores trees: acceptance_p's model, AUTO_TREE_MARGIN, and a context branch only when greedy (its match counts
-    are greedy ones)."""
-    joints = acceptance.get("lookup", {}).get("joints") if greedy else None
-    return auto_tree(acceptance_p(acceptance, greedy), costs, margin=AUTO_TREE_MARGIN, lookup_joints=joints)
-
-
-def acceptance_p(acceptance: dict, greedy: bool = True) -> list:
-    """The acceptance model tree.auto_tree scores trees with: the greedy one, or when sampling the one measured
-    at temperature 1 (acceptance.json's "sampled": drafts drawn from the head's q, lossless verification; lower
-    than greedy's), the greedy one for a head evaluated before it existed (optimistic when sampling)."""
-    return acceptance["p"] if greedy else acceptance.get("sampled", {}).get("p", acceptance["p"])
-
-
-def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bool = True,
-                     calibrate_with: Optional[tuple] = None, batch_size: int = 1, kind: str = "default"):
-    """--tree auto: the static tree (and context branch), a tree.AutoTree with its predicted tau and speedup,
-    that tree.auto_tree predicts fastest from cycle_models, said on stderr; None with a one-line hint when either
-    model is missing. The context branch only when greedy: its match counts are greedy ones, and sampled text
-    repeats itself less (on the 80 MT-bench first turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran
-    at 1.04x). batch_size > 1: the tree for batched cycles of that many rows (the paper: a larger batch wants a
-    smaller tree). kind: for steps compiled so (COMPILE_KINDS, --autotune), whose rows cost otherwise."""
-    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, kind)
-    if costs is None:
-        print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
-        return None
-    best = best_tree(acceptance, costs, greedy)
-    batch = f", batch {batch_size}" if batch_size > 1 else ""
-    slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
-    print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}{f' {kind}' * (kind != 'default')}, {torch.get_num_threads()} threads{batch}{slower}; "
-          f"{profile_source(path)})",
-          file=sys.stderr)
-    return best
-
-
-def auto_tree_for(*args, **kwargs) -> str:
-    """The spec of auto_tree_choice's tree (same arguments); chain-1 when it has none."""
-    best = auto_tree_choice(*args, **kwargs)
-    return "chain-1" if best is None else best.spec
-
-
-AUTOTUNE_CHOICES = {"off": "default", "freeze": "frozen", "on": "autotuned"}  # --autotune: COMPILE_KINDS' key
-
-
-def auto_compile_kind(profile: Optional[dict], precision: str) -> str:
-    """--autotune auto: the COMPILE_KINDS kind that profile_costs.py --autotune measured fastest at this
-    precision, at least profile_costs.AUTOTUNE_MARGIN faster than the default, among those inductor's on-disk
-    cache keeps (the others rebuild every graph at each start: a minute or more); "default" without such a
-    measurement. A profile of before the three kinds holds {"faster": bool}, the autotuned kind's verdict."""
-    at = (profile or {}).get("autotune", {}).get(precision, {})
-    return at.get("auto", "autotuned" if at.get("faster") else "default")
-
-
-def compile_kind(choice: str, model: Transformer, device: str) -> str:
-    """The COMPILE_KINDS kind that --autotune auto / on / freeze / off takes for this model (auto: this
-    machine's cost profile, auto_compile_kind; said on stderr when it freezes)."""
-    if choice != "auto":
-        return AUTOTUNE_CHOICES[choice]
-    path, profile, _ = cost_profile(model.config)
-    kind = auto_compile_kind(profile, precision_of(model)) if device == "cpu" else "default"
-    if kind != "default":
-        what = "weights frozen" + (" and inductor max-autotune" if kind == "autotuned" else "")
-        print(f"compile: {what} (measured faster here for {precision_of(model)}, {path.name})", file=sys.stderr)
-    return kind
-
 
 def print_stats(stats: Stats, tree, label: str = ""):
     line = (f"{label}{stats.new_tokens} tokens in {stats.total_s:.2f} s: {stats.tokens_per_s:.1f} tokens/s, "
@@ -678,29 +398,6 @@ def streamer(tokenizer, governor: Optional[ThreadGovernor] = None):
         if governor is not None:
             governor.check()
     return stream
-
-
-def warm_up(run: Callable, governor: Optional[ThreadGovernor] = None):
-    """Call run() (one short generation) so that torch.compile builds every graph now, and say how long it took and
-    how many graphs came from inductor's on-disk cache (a second run of the same command reuses them). With the
-    governor, inductor compiles its kernels for every core (a kernel compiled at one thread has no parallel
-    loop); they then run at whatever count the governor sets, and the load the compiler made is forgotten."""
-    from torch._dynamo.utils import counters
-
-    print("Compiling the decode steps (warm-up) ...", end=" ", file=sys.stderr, flush=True)
-    start, threads = time.perf_counter(), torch.get_num_threads()
-    if governor is not None:
-        torch.set_num_threads(governor.cpus)
-    run()
-    if governor is not None:
-        torch.set_num_threads(threads)
-        governor.forget()
-    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    bypass = counters["inductor"]["fxgraph_cache_bypass"]  # e.g. frozen graphs holding oneDNN-packed weights
-    reused = f"all {hits} graphs from inductor's on-disk cache" if hits and not misses + bypass else \
-        f"{misses + bypass} graphs built{f' ({bypass} the cache cannot keep)' if bypass else ''}, {hits} from " \
-        "inductor's on-disk cache"
-    print(f"{time.perf_counter() - start:.0f} s ({reused})", file=sys.stderr)
 
 
 def chat(session: Session, tokenizer, args, sampling: Sampling, governor: Optional[ThreadGovernor] = None):

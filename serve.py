@@ -34,6 +34,7 @@ import generate
 from engine import Engine, Request, Sampling, UsageError
 from model import DEFAULT_CHECKPOINT, CheckpointError
 from tokenizer import TokenizerError
+from tuning import COMPILE_KINDS, warm_up
 
 PAGE = Path(__file__).resolve().parent / "chat.html"
 PING_S = 1.0  # an SSE comment this often while a stream has nothing to send (a queue wait, a long prefill)
@@ -284,12 +285,12 @@ class Worker(threading.Thread):
         args = self.args
         model, self.tokenizer, head, tree = generate.load(args)
         self.engine = Engine(model, args.max_seq_len, args.max_batch, head, tree, compile=args.compile,
-                             inductor_config=generate.COMPILE_KINDS[args.compile_kind])
+                             inductor_config=COMPILE_KINDS[args.compile_kind])
         if tree is not None:
             self.draft_nodes, self.metrics = tree.num_nodes - 1, Metrics(tree.max_depth)
         if args.compile:  # both graphs: greedy rows only, and rows that sample
             prompt = self.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
-            generate.warm_up(lambda: [self.engine.generate([prompt], 4, s, self.tokenizer.stop_ids)
+            warm_up(lambda: [self.engine.generate([prompt], 4, s, self.tokenizer.stop_ids)
                                       for s in (Sampling(), Sampling(1.0))])
         print(f"serving {describe(args, head, tree)} at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
 

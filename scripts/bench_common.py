@@ -24,7 +24,7 @@ import quantize  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import cpu_family, instruction_set  # noqa: E402
+from tuning import cpu_family, instruction_set  # noqa: E402
 
 
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4

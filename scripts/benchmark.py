@@ -63,7 +63,9 @@ import quantize  # noqa: E402
 from eagle_head import load_head  # noqa: E402
 from model import CheckpointError  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tree import parse_tree, predict  # noqa: E402
+from tree import parse_tree  # noqa: E402
+import tuning  # noqa: E402
+from tuning import predict  # noqa: E402
 from scripts.bench_common import (DTYPES, HUMANEVAL_REQUEST, QUANTIZED, build_quick_checkpoint, default_out,  # noqa: E402
                                   git_state, head_record, json_safe, load_dataset, load_target, machine_info,
                                   package_dir, read_questions, render, repo_relative, select_questions, tensor_mb)
@@ -81,7 +83,7 @@ class Method:
     kind: str  # vanilla | eagle | hf | hf-pld | llamacpp | llamacpp-pld
     dtype: str  # fp32 | bf16 | fp16 | int8 | int4 | int4f | q4_1 (llama.cpp on the GGUF itself)
     compiled: bool = False
-    compile_kind: str = "default"  # how it compiles (generate.COMPILE_KINDS): default, frozen (weights) or autotuned
+    compile_kind: str = "default"  # how it compiles (tuning.COMPILE_KINDS): default, frozen (weights) or autotuned
     tree: Optional[str] = None  # tree spec (eagle)
     head: Optional[str] = None  # head directory (eagle)
     num_nodes: Optional[int] = None  # tree nodes verified per cycle, root included
@@ -105,7 +107,7 @@ def tree_entries(specs: list) -> list:
     return entries
 
 
-# a method name's MODE: (compiled, generate.COMPILE_KINDS key)
+# a method name's MODE: (compiled, tuning.COMPILE_KINDS key)
 MODES = {"eager": (False, "default"), "compiled": (True, "default"), "frozen": (True, "frozen"),
          "autotuned": (True, "autotuned")}
 
@@ -362,19 +364,19 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
 
 def predicted_against_measured(group: dict, methods: list, targets: dict, runs: list, device: str) -> dict:
     """Per compiled static-tree EAGLE method of a summarize() group (runs: the group's): tau and speedup
-    over vanilla of its precision as --tree auto predicts them (generate.cycle_models, tree.predict: this
+    over vanilla of its precision as --tree auto predicts them (tuning.cycle_models, tuning.predict: this
     machine's cost profile and the head's acceptance model), beside the measured tau and median per-prompt
     speedup over that vanilla. Greedy, or temperature 1 with the acceptance model measured there
-    (generate.acceptance_p) and the tree the method samples with."""
+    (tuning.acceptance_p) and the tree the method samples with."""
     out, greedy = {}, group["temperature"] == 0
     for m in methods:
         twin, tree = f"vanilla-{m.dtype}-{mode_name(m)}", m.tree if greedy else m.sampling_tree or m.tree
         if m.kind != "eagle" or not m.compiled or tree.startswith("dynamic") or twin not in {x.name for x in methods}:
             continue
-        costs, acceptance, _ = generate.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
+        costs, acceptance, _ = tuning.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
         if costs is None:
             continue
-        tau, speedup = predict(tree, generate.acceptance_p(acceptance, greedy), costs,
+        tau, speedup = predict(tree, tuning.acceptance_p(acceptance, greedy), costs,
                                acceptance.get("lookup", {}).get("joints") if greedy else None)
         base = {prompt_key(r): r["tokens_per_s"] for r in runs if r["method"] == twin}
         mine = [r for r in runs if r["method"] == m.name]
@@ -819,9 +821,9 @@ def run_benchmark(args, argv):
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
             if m.tree == "auto":  # the trees generate.py --tree auto takes at this precision, greedy and sampling
-                m.tree = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
+                m.tree = tuning.auto_tree_for(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
                 if any(t > 0 for t in args.temperatures):
-                    sampled = generate.auto_tree_for(Path(m.head), targets[m.dtype], device, greedy=False,
+                    sampled = tuning.auto_tree_for(Path(m.head), targets[m.dtype], device, greedy=False,
                                                      kind=m.compile_kind)
                     m.sampling_tree = sampled if sampled != m.tree else None
             for spec in filter(None, (m.tree, m.sampling_tree)):
@@ -834,7 +836,7 @@ def run_benchmark(args, argv):
             if hasattr(torch._dynamo.config, limit):  # one graph per tree level shape, dtype and tree
                 setattr(torch._dynamo.config, limit, max(256, getattr(torch._dynamo.config, limit)))
     all_steps = {(False, "default"): generate.EAGER}
-    for kind, config in generate.COMPILE_KINDS.items():
+    for kind, config in tuning.COMPILE_KINDS.items():
         if any(m.compiled and m.compile_kind == kind for m in methods):
             all_steps[True, kind] = generate.Steps.compiled(device, args.compile_prefill, config)
 

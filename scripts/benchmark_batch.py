@@ -54,6 +54,7 @@ from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, g
                                   select_questions, tensor_mb)
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
+import tuning  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -216,7 +217,7 @@ def run(args, argv) -> dict:
     sessions, trees, predicted, mem = {}, {}, {}, {}
     for b in args.batch_sizes:
         if args.tree == "auto":
-            choice = generate.auto_tree_choice(head_dir, model, "cpu", sampling.greedy,
+            choice = tuning.auto_tree_choice(head_dir, model, "cpu", sampling.greedy,
                                                (head, "dynamic" if compiled else "eager"), batch_size=b)
             trees[b] = choice.spec if choice else "chain-1"
             predicted[b] = {"tau": choice.tau, "speedup": choice.speedup} if choice else None

@@ -17,7 +17,6 @@ import json
 import queue
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import threading

@@ -488,7 +488,7 @@ def heldout_accuracy(target: Transformer, head: EagleHead, sequences: list, step
     return evaluate(target, head, heldout_records(target, sequences), "cpu", steps)
 
 
-# ---------------------------------------------------------------- acceptance model (for tree.auto_tree)
+# ---------------------------------------------------------------- acceptance model (for tuning.auto_tree)
 ANSWER_SETS = {"answers": 0.0, "answers-t1": 1.0}  # eval's sets of make_data answers: their temperature
 ACCEPTANCE_DEPTH = 8  # depths 1..8
 ACCEPTANCE_RANKS = 8  # sibling ranks 0..7
@@ -587,7 +587,7 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, sample
     parent path was accepted), i.e. counted over chain nodes whose earlier steps all held the target's
     token among the k best drafts; nodes[d-1] = how many such nodes. lookup.joints[n-1][a][b]: cycle
     starts of a chain-1+lookup-n walk where the head's chain accepted a tokens and a context branch
-    (tree.ContextLookup on the text so far) matched b <= `lookup` (tree.context_gain; counted per position,
+    (tree.ContextLookup on the text so far) matched b <= `lookup` (tuning.context_gain; counted per position,
     a long match would count once per token it covers). Also a replay of EAGLE cycles over the sequences
     for a few trees (each cycle starts after the previous one's bonus token), against the tau the
     positional model predicts: how much the per-token model misses by.
@@ -595,7 +595,8 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, sample
     verification: draft_ranks' sampled chances), each node weighted by the chance that its chain's earlier
     nodes were accepted; the chain follows the sequence's tokens: those of sampled_records (the target's
     temperature-1 answers: the text a sampled chain drafts on) if given, else of records (greedy text, easier)."""
-    from tree import ContextLookup, accepted_depth, parse_paths, predict, split_lookup
+    from tree import ContextLookup, parse_paths, split_lookup
+    from tuning import accepted_depth, predict
 
     hits, nodes = torch.zeros(depth, k, dtype=torch.long), torch.zeros(depth, dtype=torch.long)
     sampled_hits, sampled_nodes = torch.zeros(depth, k, dtype=torch.float64), torch.zeros(depth, dtype=torch.float64)
@@ -652,7 +653,7 @@ def acceptance_model(target: Transformer, head: EagleHead, records: list, sample
 
 def cmd_eval(args):
     """Held-out accuracy of a saved head; ships the sequences and the numbers beside the head, and its
-    acceptance model (acceptance.json, what tree.auto_tree reads). The sequences come from the data
+    acceptance model (acceptance.json, what tuning.auto_tree reads). The sequences come from the data
     step's eval shards under --data, or, without them, from the heldout-*.json shipped with the head."""
     import datetime
     import hashlib

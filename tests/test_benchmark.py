@@ -263,7 +263,7 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
     """--trees auto takes generate.py's --tree auto choice at each precision (this machine's cost profile
     under $HOME, the head's acceptance.json); every compiled static tree gets its predicted tau and speedup
     over vanilla beside the measured ones. torch.compile is stood in for (no inductor build)."""
-    import tree
+    import tuning
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
@@ -271,15 +271,15 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
     profile = {"precisions": {"fp32": {"verify_ms": rows, "draft_ms": {"1": 0.5, "64": 0.6},
                                        "update_ms": {"1": 0.5, "9": 0.6}, "move_ms": {"1": 0.1, "9": 0.2}}}}
     p, joint = [[0.7, 0.1]] * 4, [[50, 0, 0, 30], [20, 0, 10, 10]] + [[10, 0, 0, 20]] * 3
-    tree.cost_profile_path(1).parent.mkdir(parents=True)
+    tuning.cost_profile_path(1).parent.mkdir(parents=True)
 
     def add(checkpoint, head, config):
         Path(head, "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [joint] * 3}}))
-        tree.cost_profile_path(1).write_text(json.dumps({**profile, "model": generate.profile_model(config)}))
+        tuning.cost_profile_path(1).write_text(json.dumps({**profile, "model": tuning.profile_model(config)}))
 
     result = quick_with(monkeypatch, tmp_path, add, ["--modes", "compiled", "--dtypes", "fp32", "--trees", "auto",
                                                      "c1l2=chain-1+lookup-2", "--temperatures", "0", "1"])
-    chosen = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN,
+    chosen = tuning.auto_tree(p, tuning.CycleCosts.from_profile(profile, "fp32"), margin=tuning.AUTO_TREE_MARGIN,
                             lookup_joints=[joint] * 3)
     predicted = result["summary"][0]["predicted"]
     assert set(predicted) == {"eagle-auto-fp32-compiled", "eagle-c1l2-fp32-compiled"}
@@ -291,7 +291,7 @@ def test_auto_tree_and_its_prediction_against_measurement(tmp_path, monkeypatch)
                if name.startswith("eagle"))
     assert "| eagle-c1l2-fp32-compiled | `chain-1+lookup-2` |" in (tmp_path / "a" / "benchmark.md").read_text()
     # at temperature > 0 auto runs the tree generate.py takes there: no context branch
-    sampled = tree.auto_tree(p, tree.CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
+    sampled = tuning.auto_tree(p, tuning.CycleCosts.from_profile(profile, "fp32"), margin=tuning.AUTO_TREE_MARGIN)
     assert "+lookup-" in chosen.spec and sampled.spec != chosen.spec
     trees_run = {(r["temperature"], r["tree"]) for r in result["runs"] if r["method"] == "eagle-auto-fp32-compiled"}
     assert trees_run == {(0.0, chosen.spec), (1.0, sampled.spec)}
@@ -336,7 +336,7 @@ def test_default_out_is_a_new_folder(tmp_path, monkeypatch):
 
 
 def test_instruction_set_names_the_widest_matmul_instruction_set():
-    from tree import instruction_set
+    from tuning import instruction_set
 
     assert instruction_set("model name : X\nflags : fpu avx2 fma avx512f avx512_bf16\n") == "avx512_bf16"
     assert instruction_set("flags : fpu avx2 avx512f amx_tile amx_bf16\n") == "amx"

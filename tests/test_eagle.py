@@ -27,6 +27,7 @@ from generate import DEFAULT_HEAD, Sampling, Session, UsageError
 from model import ModelArgs, Transformer, causal_mask
 from tokenizer import Tokenizer
 from tree import Tree, parse_tree
+import tuning
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TIE = 1e-4  # a greedy divergence is accepted only where the target's top-2 logits are this close
@@ -661,7 +662,7 @@ def test_compiled_steps_do_not_recompile(device):
 
 
 def test_autotuned_steps_are_lossless_and_do_not_recompile():
-    """Steps compiled with inductor's max-autotune GEMM kernels and freezing (generate.AUTOTUNE_OPTIONS,
+    """Steps compiled with inductor's max-autotune GEMM kernels and freezing (tuning.AUTOTUNE_OPTIONS,
     what --autotune takes): greedy EAGLE (a chain with a context branch) equals vanilla, and nothing
     recompiles after the warm-up as prompts, cache lengths, the conversation and the thread count change (a
     recompile there cost a generation tens of seconds, issue 29). Real inductor."""
@@ -671,7 +672,7 @@ def test_autotuned_steps_are_lossless_and_do_not_recompile():
     n = 10
     refs = [vanilla_greedy(model, p, n) for p in prompts]
     torch._dynamo.reset()
-    steps = generate.Steps.compiled("cpu", inductor_config=generate.AUTOTUNE_OPTIONS)
+    steps = generate.Steps.compiled("cpu", inductor_config=tuning.AUTOTUNE_OPTIONS)
     try:
         for session in (Session(model, 64, steps=steps), Session(model, 64, head, parse_tree("chain-2+lookup-2"), steps)):
             assert session.generate(prompts[0], n, Sampling())[0] == refs[0]  # warm-up
@@ -699,7 +700,7 @@ def test_autotune_freezes_the_weights(how):
     model = tiny_target(vocab_size=32)
     model.setup_caches(1, 16)
     torch._dynamo.reset()
-    steps = generate.Steps.compiled("cpu", **{how: generate.AUTOTUNE_OPTIONS})
+    steps = generate.Steps.compiled("cpu", **{how: tuning.AUTOTUNE_OPTIONS})
     pos = torch.tensor([3])
     try:
         _, code = run_and_get_code(steps.decode, model, torch.tensor([[5]]), pos, causal_mask(pos, 4), True)
@@ -935,7 +936,7 @@ def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files
     import shutil
 
     import tree as tree_module
-    from generate import profile_model
+    from tuning import profile_model
 
     head_dir = tmp_path / "head"
     shutil.copytree(cli_files / "head", head_dir)

@@ -1,4 +1,4 @@
-"""generate.ThreadGovernor (--threads' default): one thread per core other processes leave free, re-checked."""
+"""tuning.ThreadGovernor (--threads' default): one thread per core other processes leave free, re-checked."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from generate import TICKS_PER_S, ThreadGovernor, cpu_ticks, threads_for
+from tuning import TICKS_PER_S, ThreadGovernor, cpu_ticks, threads_for
 
 SELF_STAT = "4242 (python my (odd) name) R 1 4242 4242 0 -1 4194304 100 0 0 0 {utime} {stime} 0 0 20 0 3 0 1 2 3"
 

@@ -1,4 +1,4 @@
-"""tree.auto_tree and its pieces: the greedy expansion against brute force over every tree of up to 7
+"""tuning.auto_tree and its pieces: the greedy expansion against brute force over every tree of up to 7
 draft nodes, the shape of the chosen tree under flat and steep cost curves, and the predicted tau
 against a Monte-Carlo simulation of greedy acceptance. Synthetic profiles only; no model runs."""
 import json
@@ -7,7 +7,9 @@ import random
 import pytest
 
 import tree
-from tree import CycleCosts, accepted_depth, along, auto_tree, build_tree, greedy_order, tree_tau
+import tuning
+from tree import build_tree
+from tuning import CycleCosts, accepted_depth, along, auto_tree, greedy_order, tree_tau
 
 
 def forests(k: int):
@@ -180,11 +182,11 @@ def test_frozen_costs_scale_the_verify_by_the_measured_ratio():
                               "int4": {"verify_ms": {"1": 10.0, "16": 60.0}, **flat}},
                "autotune": {"bf16": {"rows": [1, 4, 16], "default_ms": [40.0, 80.0, 160.0],
                                      "autotuned_ms": [10.0, 40.0, 160.0], "frozen_ms": [20.0, 40.0, 80.0]}}}
-    assert tree.frozen_ratio(profile, "bf16", 1) == pytest.approx(0.25)
-    assert tree.frozen_ratio(profile, "bf16", 2) == pytest.approx(0.375)  # halfway from 1 to 4 rows in log(rows)
-    assert tree.frozen_ratio(profile, "bf16", 8) == pytest.approx(0.75) and tree.frozen_ratio(profile, "bf16", 32) == 1.0
-    assert tree.frozen_ratio(profile, "int4", 4) == 1.0 and tree.frozen_ratio(profile, "bf16", 4, "default") == 1.0
-    assert tree.frozen_ratio(profile, "bf16", 16, "frozen") == pytest.approx(0.5)
+    assert tuning.frozen_ratio(profile, "bf16", 1) == pytest.approx(0.25)
+    assert tuning.frozen_ratio(profile, "bf16", 2) == pytest.approx(0.375)  # halfway from 1 to 4 rows in log(rows)
+    assert tuning.frozen_ratio(profile, "bf16", 8) == pytest.approx(0.75) and tuning.frozen_ratio(profile, "bf16", 32) == 1.0
+    assert tuning.frozen_ratio(profile, "int4", 4) == 1.0 and tuning.frozen_ratio(profile, "bf16", 4, "default") == 1.0
+    assert tuning.frozen_ratio(profile, "bf16", 16, "frozen") == pytest.approx(0.5)
     default, frozen = (CycleCosts.from_profile(profile, "bf16", kind=k) for k in ("default", "autotuned"))
     assert frozen.decode_ms == pytest.approx(10.0) and default.decode_ms == pytest.approx(40.0)
     assert frozen.verify["2"] == pytest.approx(22.5) and frozen.draft == default.draft
@@ -212,7 +214,7 @@ def test_shipped_acceptance_model_is_well_formed():
 
 
 def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, monkeypatch, capsys):
-    """generate.auto_tree_for reads the head's acceptance.json and this machine's cost profile (under
+    """tuning.auto_tree_for reads the head's acceptance.json and this machine's cost profile (under
     $HOME/.cache/eagle-fast, keyed by instruction set, threads and torch): a flat fp32 profile gives a
     deep, wide tree, exactly auto_tree's; without a profile it says how to make one and takes chain-1.
     Greedy EAGLE with the chosen tree equals vanilla (fp32)."""
@@ -226,28 +228,28 @@ def test_cli_auto_tree_is_chosen_from_the_profile_and_stays_lossless(tmp_path, m
     head = copycat_head(model)
     p = [[0.6, 0.15, 0.08, 0.05]] * 6
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": p}))
-    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
+    assert tuning.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "tree auto: chain-1 (no cost profile of this machine for fp32" in capsys.readouterr().err
     flat = {str(n): 10.0 for n in (1, 64)}
     profile = {"model": "dim4096-layers32-heads32/8-ffn14336-vocab128256",  # another model's profile: not used
                "precisions": {"fp32": {"verify_ms": flat, "draft_ms": {"1": 0.1, "64": 0.1},
                                        "update_ms": {"1": 0.5, "9": 0.5}, "move_ms": {"1": 0.1, "9": 0.1}}}}
-    path = tree.cost_profile_path(torch.get_num_threads())
+    path = tuning.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(profile))
-    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
+    assert tuning.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "the one there is of another model (dim4096-layers32" in capsys.readouterr().err
     path.write_text(json.dumps({k: v for k, v in profile.items() if k != "model"}))  # a profile that names none
-    assert generate.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
+    assert tuning.auto_tree_for(tmp_path, model, "cpu") == "chain-1"
     assert "of another model (not recorded" in capsys.readouterr().err
-    profile["model"] = generate.profile_model(model.config)
+    profile["model"] = tuning.profile_model(model.config)
     path.write_text(json.dumps(profile))
-    chosen = tree.parse_tree(generate.auto_tree_for(tmp_path, model, "cpu"))
-    paths, tau, _, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=generate.AUTO_TREE_MARGIN)
+    chosen = tree.parse_tree(tuning.auto_tree_for(tmp_path, model, "cpu"))
+    paths, tau, _, _ = auto_tree(p, CycleCosts.from_profile(profile, "fp32"), margin=tuning.AUTO_TREE_MARGIN)
     assert chosen.num_nodes == len(paths) + 1 >= 20 and chosen.max_depth >= 4
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": p, "lookup": {"joints": [[[0, 0, 10]] * 7] * 2}}))
-    assert "+lookup-" in generate.auto_tree_for(tmp_path, model, "cpu")  # every position matches: a branch
-    assert "+lookup-" not in generate.auto_tree_for(tmp_path, model, "cpu", greedy=False)  # sampling: none
+    assert "+lookup-" in tuning.auto_tree_for(tmp_path, model, "cpu")  # every position matches: a branch
+    assert "+lookup-" not in tuning.auto_tree_for(tmp_path, model, "cpu", greedy=False)  # sampling: none
     assert f"tree auto: {paths} (predicted tau {tau:.2f}" in capsys.readouterr().err
     for prompt in tiny_prompts(2, model.config.vocab_size):
         out, _ = generate.Session(model, len(prompt) + 24, head, chosen).generate(prompt, 24, generate.Sampling())
@@ -268,7 +270,7 @@ def test_a_margin_prefers_the_smaller_of_nearly_equal_trees():
 
 # ---------------------------------------------------------------- the context branch
 def chain_model(pairs, depth):
-    """The positional model (p) and the joint counts (tree.context_gain) of positions given as (a, b):
+    """The positional model (p) and the joint counts (tuning.context_gain) of positions given as (a, b):
     the head's chain accepted a tokens, a context proposal matched b."""
     joint = [[0] * 9 for _ in range(depth + 1)]
     for a, b in pairs:
@@ -286,7 +288,7 @@ def test_branch_taus_of_a_chain_are_the_mean_longer_match():
     pairs += [(a, min(8, a + 2)) for a, _ in pairs[:300]]  # correlated: context long where the head is
     p, joint = chain_model(pairs, 6)
     for k in (1, 2, 4):
-        taus = tree.branch_taus(tree.chain(k), p, [joint] * 8)
+        taus = tuning.branch_taus(tree.chain(k), p, [joint] * 8)
         assert taus[0] == pytest.approx(tree_tau(tree.chain(k), p))
         for lookup in range(9):
             mean = sum(1 + max(min(a, k), min(b, lookup)) for a, b in pairs) / len(pairs)
@@ -298,11 +300,11 @@ def test_each_branch_length_is_scored_on_its_own_joint():
     pairs_short, pairs_long = [(0, 1)] * 10 + [(1, 0)] * 10, [(0, 2)] * 10 + [(1, 2)] * 10
     p, short = chain_model(pairs_short, 2)
     _, long = chain_model(pairs_long, 2)
-    taus = tree.branch_taus(tree.chain(1), p, [short, long])
-    assert taus == pytest.approx([1.5, tree.branch_taus(tree.chain(1), p, [short])[1],
-                                  tree.branch_taus(tree.chain(1), p, [long, long])[2]])
+    taus = tuning.branch_taus(tree.chain(1), p, [short, long])
+    assert taus == pytest.approx([1.5, tuning.branch_taus(tree.chain(1), p, [short])[1],
+                                  tuning.branch_taus(tree.chain(1), p, [long, long])[2]])
     assert taus[1] == pytest.approx(2.0) and taus[2] == pytest.approx(3.0)
-    assert tree.predict("chain-1+lookup-2", p, None, [short, long]) == (pytest.approx(3.0), None)
+    assert tuning.predict("chain-1+lookup-2", p, None, [short, long]) == (pytest.approx(3.0), None)
 
 
 def test_auto_tree_adds_a_context_branch_only_where_it_pays():
@@ -337,24 +339,23 @@ def test_autotune_follows_this_machines_measurement(tmp_path, monkeypatch, capsy
     on / freeze / off force a kind; no profile: the default compile."""
     import torch
 
-    import generate
     from test_eagle import tiny_target
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
     model = tiny_target()  # fp32
-    assert generate.compile_kind("auto", model, "cpu") == "default"
-    assert [generate.compile_kind(c, model, "cpu") for c in ("on", "freeze", "off")] == ["autotuned", "frozen", "default"]
-    path = tree.cost_profile_path(torch.get_num_threads())
+    assert tuning.compile_kind("auto", model, "cpu") == "default"
+    assert [tuning.compile_kind(c, model, "cpu") for c in ("on", "freeze", "off")] == ["autotuned", "frozen", "default"]
+    path = tuning.cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
     for entry, expected in (({"auto": "frozen"}, "frozen"), ({"auto": "autotuned"}, "autotuned"),
                             ({"auto": "default"}, "default"), ({"faster": True}, "autotuned"), ({"faster": False}, "default")):
-        path.write_text(json.dumps({"model": generate.profile_model(model.config), "precisions": {},
+        path.write_text(json.dumps({"model": tuning.profile_model(model.config), "precisions": {},
                                     "autotune": {"fp32": entry}}))
-        assert generate.compile_kind("auto", model, "cpu") == expected
-        assert generate.compile_kind("off", model, "cpu") == "default"
-        assert generate.COMPILE_KINDS[expected] == {"default": None, "frozen": generate.FREEZE_OPTIONS,
-                                                    "autotuned": generate.AUTOTUNE_OPTIONS}[expected]
+        assert tuning.compile_kind("auto", model, "cpu") == expected
+        assert tuning.compile_kind("off", model, "cpu") == "default"
+        assert tuning.COMPILE_KINDS[expected] == {"default": None, "frozen": tuning.FREEZE_OPTIONS,
+                                                    "autotuned": tuning.AUTOTUNE_OPTIONS}[expected]
     err = capsys.readouterr().err
     assert "compile: weights frozen (measured faster here for fp32" in err
     assert "compile: weights frozen and inductor max-autotune (measured faster here for fp32" in err
@@ -369,22 +370,22 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
     import generate
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")  # a machine of no kind met
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")  # a machine of no kind met
     config = generate.ModelArgs()  # the default model's shape
     with pytest.raises(generate.UsageError, match="profile_costs.py --threads"):
-        generate.fastest_precision(config, None)
+        tuning.fastest_precision(config, None)
     steep, flat = {str(n): 10.0 * n for n in (1, 64)}, {str(n): 13.0 + 0.01 * n for n in (1, 64)}
     piece = {"draft_ms": {"1": 0.1, "64": 0.1}, "update_ms": {"1": 0.1, "9": 0.1}, "move_ms": {"1": 0.1, "9": 0.1}}
-    profile = {"model": generate.profile_model(config),
+    profile = {"model": tuning.profile_model(config),
                "precisions": {"int4": {"verify_ms": steep, **piece}, "bf16": {"verify_ms": flat, **piece},
                               "fp32": {"verify_ms": {"1": 40.0, "64": 41.0}, **piece}}}
-    tree.cost_profile_path(torch.get_num_threads()).parent.mkdir(parents=True)
-    tree.cost_profile_path(torch.get_num_threads()).write_text(json.dumps(profile))
+    tuning.cost_profile_path(torch.get_num_threads()).parent.mkdir(parents=True)
+    tuning.cost_profile_path(torch.get_num_threads()).write_text(json.dumps(profile))
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.8, 0.1]] * 6}))
-    assert generate.fastest_precision(config, None) == "int4"
-    assert generate.fastest_precision(config, tmp_path) == "bf16"
+    assert tuning.fastest_precision(config, None) == "int4"
+    assert tuning.fastest_precision(config, tmp_path) == "bf16"
     with pytest.raises(generate.UsageError, match="of another model"):
-        generate.fastest_precision(generate.ModelArgs(dim=64, n_head=4, n_local_heads=2, n_layer=2), None)
+        tuning.fastest_precision(generate.ModelArgs(dim=64, n_head=4, n_local_heads=2, n_layer=2), None)
     assert "precision auto: bf16 (predicted tokens/s with EAGLE: bf16" in capsys.readouterr().err
     for argv in (["--precision", "auto", "--quantize", "int4"], ["--precision", "bf16", "--dtype", "float32"]):
         with pytest.raises(generate.UsageError, match="--precision replaces"):
@@ -392,15 +393,15 @@ def test_precision_auto_picks_the_fastest_predicted(tmp_path, monkeypatch, capsy
 
 
 def test_cpu_family_is_read_and_matched():
-    """tree.cpu_family reads "family F model M" from cpuinfo text (None where it is not there); a profile recorded
+    """tuning.cpu_family reads "family F model M" from cpuinfo text (None where it is not there); a profile recorded
     as "family F" (model not recorded) holds for every model of that family, "family F model M" for that one."""
     text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
-    assert tree.cpu_family(text) == "family 25 model 17"
-    assert tree.cpu_family("model name\t: Apple M2\n") is None
-    assert tree.same_cpu("family 25 model 17", "family 25 model 17") and tree.same_cpu("family 25", "family 25 model 17")
-    assert not tree.same_cpu("family 25", "family 26 model 2") and not tree.same_cpu("family 2", "family 25 model 1")
-    assert not tree.same_cpu("family 25 model 17", "family 25 model 160") and not tree.same_cpu(None, "family 25 model 17")
-    assert not tree.same_cpu("family 25", None)
+    assert tuning.cpu_family(text) == "family 25 model 17"
+    assert tuning.cpu_family("model name\t: Apple M2\n") is None
+    assert tuning.same_cpu("family 25 model 17", "family 25 model 17") and tuning.same_cpu("family 25", "family 25 model 17")
+    assert not tuning.same_cpu("family 25", "family 26 model 2") and not tuning.same_cpu("family 2", "family 25 model 1")
+    assert not tuning.same_cpu("family 25 model 17", "family 25 model 160") and not tuning.same_cpu(None, "family 25 model 17")
+    assert not tuning.same_cpu("family 25", None)
 
 
 def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatch, capsys):
@@ -408,51 +409,50 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
     reference profile was measured at: --tree auto chooses from it and says so; its compile-kinds table only
     where that was measured on this CPU family too; of another CPU family or thread count, or where the machine
     has its own profile, that one (or none: a calibration) is used instead."""
-    import generate
     from model import ModelArgs
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    shipped = sorted(generate.REFERENCE_PROFILES.glob("*.json"))
+    shipped = sorted(tuning.REFERENCE_PROFILES.glob("*.json"))
     assert shipped, "the shipped head has no reference cost profiles"
     reference = json.loads(shipped[0].read_text())
     isa, threads, family = reference["isa"], reference["threads"], reference["cpu_family"]
-    monkeypatch.setattr(generate, "instruction_set", lambda: isa)
-    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(tuning, "instruction_set", lambda: isa)
+    monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: threads)
     here = family if len(family.split()) == 4 else family + " model 1"  # a CPU of the family (and model) measured
-    monkeypatch.setattr(generate, "cpu_family", lambda: here)
+    monkeypatch.setattr(tuning, "cpu_family", lambda: here)
     config = ModelArgs()  # the default model's shape, what the reference profiles were measured on
-    assert generate.profile_model(config) == reference["model"]
-    path, profile, other = generate.cost_profile(config)
+    assert tuning.profile_model(config) == reference["model"]
+    path, profile, other = tuning.cost_profile(config)
     assert path == shipped[0] and profile["precisions"] == reference["precisions"] and other is None
-    assert f"reference cost profile {path.stem} of the shipped head (CPU {family})" in generate.profile_source(path)
-    monkeypatch.setattr(generate, "cpu_family", lambda: "family 1 model 1")  # another CPU of this instruction set
-    assert generate.cost_profile(config)[1] is None
+    assert f"reference cost profile {path.stem} of the shipped head (CPU {family})" in tuning.profile_source(path)
+    monkeypatch.setattr(tuning, "cpu_family", lambda: "family 1 model 1")  # another CPU of this instruction set
+    assert tuning.cost_profile(config)[1] is None
     # a compile-kinds table measured on another CPU than the curves: served on that of the curves without it
     mixed = tmp_path / "references"
     mixed.mkdir()
     (mixed / shipped[0].name).write_text(json.dumps({**reference, "cpu_family": "family 25",
                                                      "autotune_cpu_family": "family 26", "autotune": {"int4": {}}}))
-    monkeypatch.setattr(generate, "REFERENCE_PROFILES", mixed)
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", mixed)
     for cpu, served, kinds in (("family 25 model 17", True, False), ("family 26 model 2", False, False)):
-        monkeypatch.setattr(generate, "cpu_family", lambda: cpu)
-        profile = generate.cost_profile(config)[1]
+        monkeypatch.setattr(tuning, "cpu_family", lambda: cpu)
+        profile = tuning.cost_profile(config)[1]
         assert (profile is not None) == served and (served and "autotune" in profile) == kinds
     same = {k: v for k, v in reference.items() if k != "autotune_cpu_family"}  # both measured on one CPU
     (mixed / shipped[0].name).write_text(json.dumps({**same, "cpu_family": "family 25 model 17", "autotune": {"int4": {}}}))
-    assert generate.cost_profile(config)[1] is None  # family 26
-    monkeypatch.setattr(generate, "cpu_family", lambda: "family 25 model 160")
-    assert generate.cost_profile(config)[1] is None  # another model of the family recorded with its model
-    monkeypatch.setattr(generate, "cpu_family", lambda: "family 25 model 17")
-    assert "autotune" in generate.cost_profile(config)[1]
-    monkeypatch.setattr(generate, "REFERENCE_PROFILES", shipped[0].parent)
-    monkeypatch.setattr(generate, "cpu_family", lambda: here)
-    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: 7)
-    assert generate.cost_profile(config)[1] is None  # no reference at 7 threads
-    monkeypatch.setattr(generate.torch, "get_num_threads", lambda: threads)
-    own = tree.cost_profile_path(threads)
+    assert tuning.cost_profile(config)[1] is None  # family 26
+    monkeypatch.setattr(tuning, "cpu_family", lambda: "family 25 model 160")
+    assert tuning.cost_profile(config)[1] is None  # another model of the family recorded with its model
+    monkeypatch.setattr(tuning, "cpu_family", lambda: "family 25 model 17")
+    assert "autotune" in tuning.cost_profile(config)[1]
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", shipped[0].parent)
+    monkeypatch.setattr(tuning, "cpu_family", lambda: here)
+    monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: 7)
+    assert tuning.cost_profile(config)[1] is None  # no reference at 7 threads
+    monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: threads)
+    own = tuning.cost_profile_path(threads)
     own.parent.mkdir(parents=True)
     own.write_text(json.dumps({**reference, "precisions": {"int4": reference["precisions"]["int4"]}}))
-    assert generate.cost_profile(config)[0] == own  # this machine's own profile comes first
+    assert tuning.cost_profile(config)[0] == own  # this machine's own profile comes first
 
 
 def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys):
@@ -465,34 +465,34 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
     from test_eagle import copycat_head, tiny_prompts, tiny_target, vanilla_greedy
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(generate, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
     model = tiny_target()
     head = copycat_head(model)
     (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.6, 0.15, 0.08, 0.05]] * 6}))
     with torch.no_grad():
-        spec = generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
+        spec = tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
     err = capsys.readouterr().err
     assert "calibrating (once" in err and "this machine's quick calibration calibration-" in err, err
     saved = json.loads(next((tmp_path / ".cache" / "eagle-fast").glob("calibration-*-eager.json")).read_text())
-    assert saved["model"] == generate.profile_model(model.config) and set(saved["precisions"]) == {"fp32"}
-    assert saved["cpu_family"] == tree.cpu_family()  # what a profile holds for
+    assert saved["model"] == tuning.profile_model(model.config) and set(saved["precisions"]) == {"fp32"}
+    assert saved["cpu_family"] == tuning.cpu_family()  # what a profile holds for
     assert all(v > 0 for v in saved["precisions"]["fp32"]["verify_ms"].values())
     with torch.no_grad():
-        assert generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager")) == spec
+        assert tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager")) == spec
     assert "calibrating" not in capsys.readouterr().err
     prompt = tiny_prompts(1, model.config.vocab_size, seed=3)[0]
     out, _ = generate.Session(model, 64, head, tree.parse_tree(spec)).generate(prompt, 20, generate.Sampling())
     assert out == vanilla_greedy(model, prompt, 20)
     # batch 3: a calibration of the batched cycle, kept beside batch 1's
     with torch.no_grad():
-        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
+        tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
     assert "calibrating" in capsys.readouterr().err
     saved = json.loads(next((tmp_path / ".cache" / "eagle-fast").glob("calibration-*-eager.json")).read_text())
     assert set(saved["precisions"]) == {"fp32"} and set(saved["batches"]) == {"3"}
     assert all(v > 0 for v in saved["batches"]["3"]["fp32"]["verify_ms"].values())
     with torch.no_grad():
-        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
-        generate.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
+        tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), batch_size=3)
+        tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"))
     assert "calibrating" not in capsys.readouterr().err
 
 
@@ -529,11 +529,10 @@ def test_sampled_acceptance_matches_the_sampling_verifier():
 def test_sampling_scores_trees_with_the_sampled_acceptance_model():
     """--tree auto when sampling scores trees with acceptance.json's temperature-1 model where it has one
     (a head evaluated before it: the greedy model)."""
-    import generate
 
     greedy, sampled = [[0.9, 0.05]] * 3, [[0.5, 0.2]] * 3
-    assert generate.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=False) == sampled
-    assert generate.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=True) == greedy
-    assert generate.acceptance_p({"p": greedy}, greedy=False) == greedy
+    assert tuning.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=False) == sampled
+    assert tuning.acceptance_p({"p": greedy, "sampled": {"p": sampled}}, greedy=True) == greedy
+    assert tuning.acceptance_p({"p": greedy}, greedy=False) == greedy
     steep = costs(lambda n: 10.0 + 2 * (n - 1), draft=0.5, update=1.0)  # each verified row costs a fifth of a step
     assert (auto_tree(greedy, steep).spec, auto_tree(sampled, steep).spec) == ("chain-3", "chain-1")
