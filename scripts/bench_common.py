@@ -262,3 +262,23 @@ def render(tokenizer, turns: list, answers: list) -> list:
         if i < len(answers):
             messages.append({"role": "assistant", "content": answers[i]})
     return tokenizer.encode_chat(messages)
+
+
+def chromium_driver(window: str = "1000,700"):
+    """A headless Debian chromium driven through chromedriver (selenium), or None where either is not installed
+    (apt-get install chromium chromium-driver). Started as a browser test on a closed machine needs it: no
+    sandbox (root), no GPU, no background networking (its lookups of outside hosts fail here)."""
+    import shutil
+
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not browser or not driver:
+        return None
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--window-size={window}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)

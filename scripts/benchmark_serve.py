@@ -26,8 +26,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from scripts.bench_common import (build_quick_checkpoint, default_out, git_state, load_dataset,  # noqa: E402
-                                  machine_info, repo_relative, select_questions)
+from scripts.bench_common import (build_quick_checkpoint, chromium_driver, default_out, git_state,  # noqa: E402
+                                  load_dataset, machine_info, repo_relative, select_questions)
 
 
 def parse_args(argv=None):
@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="serve.py --threads")
     p.add_argument("--out", type=Path, help="output folder (default: results/<date>-<machine>-serve)")
     p.add_argument("--quick", action="store_true", help="tiny random model and head, eager")
+    p.add_argument("--screenshot", action="store_true", help="also the chat page answering the first prompt (EAGLE), "
+                   "in headless chromium: <out>/chat.png")
     args = p.parse_args(argv)
     args.limit = args.limit or (4 if args.quick else 20)
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -135,6 +137,29 @@ def summarize(method: str, n: int, results: list, wall: float) -> dict:
             "accepted_length": round(1 + sum(r["accepted"] or 0 for r in results) / cycles, 3) if cycles else None}
 
 
+def screenshot(flags: list, prompt: str, path: Path, log: Path):
+    """The chat page of a server started with flags, after it answered prompt, saved as a PNG (headless chromium)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = chromium_driver("900,900")
+    if driver is None:
+        raise RuntimeError("--screenshot needs chromium and chromedriver: apt-get install chromium chromium-driver")
+    proc, base = start_server(flags, log)
+    try:
+        driver.get(base + "/")
+        wait = WebDriverWait(driver, 600)
+        wait.until(lambda d: d.find_element(By.ID, "model").text)
+        driver.find_element(By.ID, "prompt").send_keys(prompt)
+        driver.find_element(By.ID, "send").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant[data-done='1']"))
+        driver.save_screenshot(str(path))
+    finally:
+        driver.quit()
+        proc.terminate()
+        proc.wait(30)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# serve.py under load ({result['machine']['processor']}, {result['machine']['isa']})", "",
              f"`{result['command']}` at {result['git']['commit']}; {result['prompts']} MT-bench first turns, "
@@ -185,6 +210,9 @@ def main(argv=None):
                   + (f", accepted length {row['accepted_length']}" if row["accepted_length"] else ""), file=sys.stderr)
             (out / "benchmark.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "benchmark.md").write_text(markdown(result))
+    if args.screenshot:
+        screenshot(model_flags + ["--eagle", "--tree", "chain-2" if args.quick else "auto"] + head_flags, prompts[0],
+                   out / "chat.png", out / "serve-screenshot.log")
     print(markdown(result), file=sys.stderr)
     print(f"wrote benchmark.json and benchmark.md to {repo_relative(out)}", file=sys.stderr)
 

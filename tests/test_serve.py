@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_common import build_quick_checkpoint
+from scripts.bench_common import build_quick_checkpoint, chromium_driver
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me about owls.", "Write a haiku about rain.", "What is a prime number?", "Name three rivers.",
@@ -348,28 +348,14 @@ def test_default_model_end_of_turn_with_eagle(default_checkpoint):
         s.stop()
 
 
-def chromium_driver():
-    """A headless Debian chromium driven through chromedriver (selenium), or a skip saying what is missing."""
-    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not browser or not driver:
-        pytest.skip("no chromium / chromedriver here: apt-get install chromium chromium-driver (.ci/run does)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    options = webdriver.ChromeOptions()
-    options.binary_location = browser
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1000,700"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
 def test_chat_page_in_a_headless_browser(tiny, tmp_path):
     """The page at /: type a prompt, the streamed answer appears with its stats, equal to the API's answer; a second
     turn; a screenshot (SERVE_SCREENSHOT=path keeps it)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     driver = chromium_driver()
+    if driver is None:
+        pytest.skip("no chromium / chromedriver here: apt-get install chromium chromium-driver (.ci/run does)")
     s = Server("--checkpoint", str(tiny[0]), "--eagle", "--eagle_head", str(tiny[1]), "--tree", "chain-2")
     try:
         model = s.client().models.list().data[0].id
@@ -392,3 +378,19 @@ def test_chat_page_in_a_headless_browser(tiny, tmp_path):
     finally:
         driver.quit()
         s.stop()
+
+
+def test_serve_benchmark_quick(tmp_path):
+    """scripts/benchmark_serve.py --quick: servers at N = 1 and 2 clients, vanilla and EAGLE, every request counted
+    (the screenshot of the page where a browser is installed)."""
+    from scripts.benchmark_serve import main
+    out = tmp_path / "out"
+    main(["--quick", "--concurrency", "1", "2", "--out", str(out)] + (["--screenshot"] if shutil.which("chromedriver")
+                                                                       else []))
+    result = json.loads((out / "benchmark.json").read_text())
+    rows = {(r["method"], r["concurrency"]): r for r in result["rows"]}
+    assert set(rows) == {(m, n) for m in ("vanilla", "eagle") for n in (1, 2)}
+    assert all(r["requests"] == 4 and r["tokens"] == 4 * 16 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["eagle", 1]["accepted_length"] > 1 and rows["vanilla", 1]["accepted_length"] is None
+    assert "| eagle | 2 |" in (out / "benchmark.md").read_text()
+    assert not shutil.which("chromedriver") or (out / "chat.png").stat().st_size > 1000
