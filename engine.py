@@ -10,8 +10,9 @@ time, and the pieces every cycle is built from (sampling, the acceptance rules, 
 
 Each row keeps its own length: its tokens sit at slots 0..length-1 of its batch row of the target's and the
 head's KV caches (model.py takes per-row slots input_pos [B, T] and per-row masks [B, 1, T, S]). A step first
-gives every free row the next queued request (a batch-1 prefill into that row, its first token sampled there),
-then runs every row at once:
+gives every free row (the lowest first) the next queued request (a batch-1 prefill into that row, its first token
+sampled there), then runs the rows up to the last busy one at once, in buckets of 1, 2, 4, ... rows
+(row_buckets: a lone request runs one-row steps in an engine of many rows):
 
 1. draft: the head grows a tree from each row's last committed token, one head forward of B x (the level's
    nodes) per tree level;
@@ -24,8 +25,8 @@ Without a head a step decodes one token per row. A row whose request finished (s
 cancelled) rides along, its results ignored, until a queued request takes it (continuous batching). Static
 trees (chains, the paper tree, lists of paths, a context branch) share one structure across rows; the dynamic
 tree (EAGLE-2) grows each row's own tree, its mask and depths per row. compile=True runs the steps as full
-graphs of static shape, the live slot count of their masks dynamic, so nothing recompiles as rows advance,
-finish and are refilled.
+graphs of static shape (one per bucket, all built by warm_up), the live slot count of their masks dynamic, so
+nothing recompiles as rows advance, finish and are refilled.
 """
 import itertools
 import json
@@ -33,6 +34,7 @@ import time
 import types
 import warnings
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -363,6 +365,12 @@ def update_rows(model: Transformer, head: EagleHead, tokens: Tensor, features: T
     return head_prediction(head, hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], k)
 
 
+def row_buckets(max_rows: int) -> list:
+    """The row counts a step runs at: powers of two below max_rows, and max_rows (each a graph of its own when
+    compiled)."""
+    return sorted({min(2 ** i, max_rows) for i in range(max_rows.bit_length() + 1)})
+
+
 def rows_tensor(values: list, device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
@@ -403,10 +411,15 @@ class Engine:
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
+        self.buckets = row_buckets(max_rows)
         steps = (decode_rows, verify_rows, draft_step, update_rows)
-        if compile:  # this engine's own graphs (own_code)
+        if compile:  # this engine's own graphs (own_code), one per bucket and greedy / sampling
             tag = f"engine{next(ENGINES)}"
             steps = [compile_step(f, inductor_config, tag, fullgraph=True, dynamic=False) for f in steps]
+            # a graph per bucket, greedy / sampling and (draft_step) tree level width: more than Dynamo's default 8
+            limit = 16 * len(self.buckets)
+            if torch._dynamo.config.recompile_limit < limit:
+                torch._dynamo.config.recompile_limit = limit
         self.decode, self.verify, self.draft_step, self.update = steps
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
         self.cache_len = max_seq_len + scratch
@@ -420,6 +433,7 @@ class Engine:
         self.rows: list = [None] * max_rows  # the request each batch row holds (None: never used yet)
         self.root: Optional[HeadPrediction] = None  # EAGLE: the head's prediction after each row's last token
         self.added = self.target_forwards = 0
+        self.views: dict = {}  # bucket -> (the full caches, their first rows): see first_rows
 
     def setup_caches(self, cache_len: int = 0, head_cache_len: int = 0):
         """The target's (and head's) KV caches for batch_size rows of at least cache_len (head_cache_len) slots,
@@ -479,8 +493,45 @@ class Engine:
         events: dict = {}
         self._admit(events)
         if self.running:
-            (self._vanilla_step if self.head is None else self._eagle_cycle)(events)
+            n = self.live_rows()
+            with self.first_rows(n):  # rows past the last busy one sit the step out
+                (self._vanilla_step if self.head is None else self._eagle_cycle)(self.rows[:n], events)
         return list(events.items())
+
+    @contextmanager
+    def first_rows(self, n: int):
+        """Within the block the KV caches (target's and head's) are their first n rows: views made once per bucket
+        and kept, since graphs compiled with frozen weights are specialised to their cache tensors' identity."""
+        caches = self.model.kv_caches() + ([] if self.head is None else self.head.kv_caches())
+        full = [(c.k_cache, c.v_cache) for c in caches]
+        if n == full[0][0].shape[0]:
+            yield
+            return
+        bases, views = self.views.get(n, (None, None))
+        if bases is None or any(a is not b for pair, now in zip(bases, full) for a, b in zip(pair, now)):
+            bases, views = full, [(k[:n], v[:n]) for k, v in full]
+            self.views[n] = bases, views
+        for c, (k, v) in zip(caches, views):
+            c.k_cache, c.v_cache = k, v
+        try:
+            yield
+        finally:
+            for c, (k, v) in zip(caches, full):
+                c.k_cache, c.v_cache = k, v
+
+    def live_rows(self) -> int:
+        """The rows a step runs: the smallest bucket that holds every running request (new ones take the lowest
+        free row, so one client alone runs one-row steps in an engine of many rows)."""
+        last = max(b for b, r in enumerate(self.rows) if r is not None and not r.done)
+        return next(n for n in self.buckets if n > last)
+
+    @torch.no_grad()
+    def warm_up(self, prompt: list, samplings=(None,), max_new_tokens: int = 4):
+        """Compile every graph a step may need now: each bucket of rows (that many copies of prompt at once), with
+        each of the samplings (None: greedy; a greedy step and one with sampled rows are different graphs)."""
+        for n in self.buckets:
+            for s in samplings:
+                self.generate([prompt] * n, max_new_tokens, s or Sampling())
 
     @torch.no_grad()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
@@ -542,9 +593,8 @@ class Engine:
                                self.tree.max_rank + 1)
 
     # ---------------------------------------------------------------- vanilla
-    def _vanilla_step(self, events: dict):
+    def _vanilla_step(self, rows: list, events: dict):
         """One token per row (each row's last token, at its slot `length`); a finished row re-runs its slot."""
-        rows = self.rows
         pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
         mask = self.live(causal_mask(pos, int(pos.max()) + 1)[:, None])  # [B, 1, 1, S]
         groups = by_sampling(rows)
@@ -561,12 +611,13 @@ class Engine:
                 events[r] = events.get(r, []) + r.emit([token])
 
     # ---------------------------------------------------------------- EAGLE
-    def _eagle_cycle(self, events: dict):
-        rows = self.rows
+    def _eagle_cycle(self, rows: list, events: dict):
+        n = len(rows)
+        root = HeadPrediction(*(t[:n] for t in self.root))
         bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
         groups = by_sampling(rows)
-        draft = (self._draft_dynamic(rows, bases, self.root) if isinstance(self.tree, DynamicTree)
-                 else self._draft(rows, bases, self.root, groups))  # 1.
+        draft = (self._draft_dynamic(rows, bases, root) if isinstance(self.tree, DynamicTree)
+                 else self._draft(rows, bases, root, groups))  # 1.
         out, features = self._verify(draft, bases, not groups)  # 2.
         self.target_forwards += 1
         paths, new, node_tokens = [], [], draft.tokens.tolist()
@@ -579,7 +630,8 @@ class Engine:
             paths.append(path)
             new.append([tokens[i] for i in path[1:]] + [bonus])
             r.accept_lengths.append(len(path) - 1)
-        self.root = self._commit(rows, bases, paths, new, features)  # 4.
+        for full, part in zip(self.root, self._commit(rows, bases, paths, new, features)):  # 4.
+            full[:n] = part
         for r, path, tokens_b in zip(rows, paths, new):
             if not r.done:
                 r.tokens += tokens_b

@@ -13,7 +13,8 @@ EAGLE cycle (one target forward per cycle; Session._eagle_cycles runs these four
   commit  the accepted path's KV entries move to contiguous cache slots; the head reads the target's
           true features of the accepted tokens (Session.commit).
 The model steps run eagerly or compiled (Steps); CacheWindow decides how many cache slots they read.
-Several sequences at once (--batch_size) run on engine.Engine, the same cycle over rows.
+Several sequences at once (--batch_size) run on engine.Engine, the same cycle over rows. What is chosen from
+measurements of the machine (threads, compile kind, --tree auto, --precision auto) comes from tuning.py.
 """
 import argparse
 import os
@@ -329,7 +330,7 @@ def load(args):
     if not checkpoint.is_file():
         raise CheckpointError(f"{checkpoint} not found; prepare it with scripts/download.py and "
                               "scripts/convert_hf_checkpoint.py (see README)")
-    default_model = checkpoint.resolve().parent == DEFAULT_CHECKPOINT.parent  # model.pth or a quantized one
+    default_model = checkpoint.resolve().parent == DEFAULT_CHECKPOINT.resolve().parent  # model.pth or a quantized one
     head_dir = (args.eagle_head or (DEFAULT_HEAD if default_model else None)) if args.eagle else None
     if args.eagle and head_dir is None:
         raise UsageError("--eagle with a --checkpoint other than the default model needs --eagle_head DIR")
@@ -433,7 +434,7 @@ def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, 
     engine = Engine(model, min(args.max_seq_len, longest), args.batch_size, head, tree, compile=args.compile,
                     inductor_config=COMPILE_KINDS[args.compile_kind])
     if args.compile:
-        warm_up(lambda: engine.generate(prompts[:1], 8, sampling, tokenizer.stop_ids), governor)
+        warm_up(lambda: engine.warm_up(prompts[0], [sampling], 8), governor)
     outs, stats = engine.generate([prompts[i] for i, _ in jobs], args.max_new_tokens, sampling, tokenizer.stop_ids)
     for (i, s), out in zip(jobs, outs):
         text = tokenizer.decode([t for t in out if t not in tokenizer.stop_ids])

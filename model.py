@@ -122,12 +122,13 @@ class KVCache(nn.Module):
 
 
 @contextmanager
-def narrow_caches(caches: list, row: int):
-    """Within the block these KV caches are batch row `row` alone (views: a batch-1 forward, such as one
-    sequence's prefill, writes into that row of the full caches)."""
+def narrow_caches(caches: list, row):
+    """Within the block these KV caches are batch row `row` alone, or the rows of a slice (views: a batch-1
+    forward, such as one sequence's prefill, writes into that row of the full caches)."""
+    rows = row if isinstance(row, slice) else slice(row, row + 1)
     full = [(cache.k_cache, cache.v_cache) for cache in caches]
     for cache, (k, v) in zip(caches, full):
-        cache.k_cache, cache.v_cache = k[row: row + 1], v[row: row + 1]
+        cache.k_cache, cache.v_cache = k[rows], v[rows]
     try:
         yield
     finally:

@@ -290,8 +290,7 @@ class Worker(threading.Thread):
             self.draft_nodes, self.metrics = tree.num_nodes - 1, Metrics(tree.max_depth)
         if args.compile:  # both graphs: greedy rows only, and rows that sample
             prompt = self.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
-            warm_up(lambda: [self.engine.generate([prompt], 4, s, self.tokenizer.stop_ids)
-                                      for s in (Sampling(), Sampling(1.0))])
+            warm_up(lambda: self.engine.warm_up(prompt, [Sampling(), Sampling(1.0)]))
         print(f"serving {describe(args, head, tree)} at http://{args.host}:{args.port}", file=sys.stderr, flush=True)
 
     def run(self):
@@ -371,7 +370,8 @@ class Worker(threading.Thread):
 
 def describe(args, head, tree) -> str:
     what = f"EAGLE {args.tree if args.tree != 'auto' else 'auto'} tree" if head is not None else "plain decoding"
-    return f"{model_name(args)} ({what}, {args.max_batch} rows{', compiled' if args.compile else ''})"
+    rows = f"{args.max_batch} row{'s' * (args.max_batch > 1)}"
+    return f"{model_name(args)} ({what}, {rows}{', compiled' if args.compile else ''})"
 
 
 def model_name(args) -> str:

@@ -236,7 +236,7 @@ def run(args, argv) -> dict:
     warm_s = {}
     for key in tqdm(list(sessions), desc="warm-up", file=sys.stderr):
         start = time.perf_counter()
-        sessions[key].generate(prompts[: 2 * key[0]], min(32, args.max_new_tokens), sampling, tokenizer.stop_ids)
+        sessions[key].warm_up(prompts[0], [sampling], min(32, args.max_new_tokens))  # every bucket of rows
         warm_s[f"{key[0]}-{key[1]}"] = round(time.perf_counter() - start, 1)
     order = [(b, name) for b in args.batch_sizes for name in names]
     runs = []

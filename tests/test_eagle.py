@@ -935,8 +935,7 @@ def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files
     whole step, as in a large batch): generate.py says so and decodes plainly, the vanilla text."""
     import shutil
 
-    import tree as tree_module
-    from tuning import profile_model
+    from tuning import cost_profile_path, profile_model
 
     head_dir = tmp_path / "head"
     shutil.copytree(cli_files / "head", head_dir)
@@ -947,7 +946,7 @@ def test_cli_auto_tree_decodes_plainly_where_eagle_is_predicted_slower(cli_files
                                                                      / "SmolLM2-135M-Instruct")),
                "precisions": {"fp32": {"verify_ms": steep, "draft_ms": {"1": 3.0, "16": 5.0},
                                        "update_ms": {"2": 3.0, "9": 5.0}, "move_ms": {"2": 0.1, "9": 0.1}}}}
-    path = tree_module.cost_profile_path(torch.get_num_threads())
+    path = cost_profile_path(torch.get_num_threads())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile))
     argv = ["--prompt", "The owl", "--max_new_tokens", "8"]

@@ -111,7 +111,7 @@ def test_compiled_engine_does_not_recompile(spec, kind):
     warm_ref = session_outputs(model, head, spec, warm, n, {7})[0]
     torch._dynamo.reset()
     eng = Engine(model, 12 + n, 4, head, tree, compile=True, inductor_config=COMPILE_KINDS[kind])
-    eng.generate(warm, n, Sampling(), {7})
+    eng.warm_up(warm[0])  # every bucket of rows (1, 2, 4)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert eng.generate(prompts, n, Sampling(), {7})[0] == eager
         assert eng.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
@@ -259,3 +259,38 @@ def test_each_compiled_engine_has_graphs_of_its_own():
              for e in (Engine(model, 64, n, compile=True) for n in (1, 2, 2))]
     assert len({id(c) for steps in codes for c in steps}) == 12
     assert codes[0][0].co_name.startswith("decode_rows_engine")
+
+
+@pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12"])
+def test_steps_run_only_the_rows_up_to_the_last_busy_one(spec):
+    """A request alone in an engine of 4 rows runs 1-row steps (a lone client is not slowed by empty rows); with
+    three at once each step runs the bucket (engine.row_buckets) that holds the last busy row: 4 rows, fewer once
+    row 2 ends; every output is still a single sequence's."""
+    assert engine.row_buckets(1) == [1] and engine.row_buckets(4) == [1, 2, 4] and engine.row_buckets(6) == [1, 2, 4, 6]
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(3, model.config.vocab_size, seed=21), 24
+    ref = session_outputs(model, head, spec, prompts, n, frozenset())[0]
+    budgets = [24, 12, 3]
+    eng = Engine(model, max(map(len, prompts)) + n, 4, head, None if spec is None else parse_tree(spec))
+    sizes, expected = [], []
+    step = eng.decode if spec is None else eng.verify
+
+    def spy(model_, tokens, *rest):  # the rows a step ran, and the bucket holding the last busy row then
+        last = max(b for b, r in enumerate(eng.rows) if r is not None and not r.done)
+        sizes.append(tokens.shape[0])
+        expected.append(next(n for n in (1, 2, 4) if n > last))
+        return step(model_, tokens, *rest)
+    if spec is None:
+        eng.decode = spy
+    else:
+        eng.verify = spy
+    assert eng.generate(prompts[:1], n, Sampling())[0] == ref[:1]
+    assert set(sizes) == {1}
+    sizes.clear()
+    expected.clear()
+    requests = [eng.add(p, b, Sampling()) for p, b in zip(prompts, budgets)]
+    while not all(r.done for r in requests):
+        eng.step()
+    assert [r.out for r in requests] == [o[:b] for o, b in zip(ref, budgets)]
+    assert sizes == expected and sizes[0] == 4 and min(sizes) < 4  # row 2 ends first

@@ -292,9 +292,13 @@ def test_max_batch_two_answers_six_and_a_full_queue_is_503(tiny):
         assert all(r.status == 200 for r in responses)
         status, answer = s.post("/v1/chat/completions", body)
         assert status == 503 and answer["error"]["code"] == "queue_full"
-        for r in responses:
-            events = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        start = time.time()
+        assert s.get("/health")[0] == 200 and time.time() - start < 5  # HTTP answers while the engine runs
+        bodies = [r.read().decode() for r in responses]
+        for text in bodies:
+            events = [line for line in text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]" and '"finish_reason": "length"' in events[-2]
+        assert ": ping" in bodies[-1]  # the last waited in the queue: SSE comments kept its connection alive
         assert s.post("/v1/chat/completions", {**body, "max_tokens": 2})[0] == 200
     finally:
         s.stop()
@@ -349,8 +353,9 @@ def test_default_model_end_of_turn_with_eagle(default_checkpoint):
 
 
 def test_chat_page_in_a_headless_browser(tiny, tmp_path):
-    """The page at /: type a prompt, the streamed answer appears with its stats, equal to the API's answer; a second
-    turn; a screenshot (SERVE_SCREENSHOT=path keeps it)."""
+    """The page at /: with a system prompt, type a prompt, the streamed answer appears with its stats, equal to the
+    API's answer to the same messages; a second turn; a long third answer stopped by the stop button (its row freed);
+    a screenshot (SERVE_SCREENSHOT=path keeps it)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
     driver = chromium_driver()
@@ -362,19 +367,38 @@ def test_chat_page_in_a_headless_browser(tiny, tmp_path):
         driver.get(s.base + "/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.find_element(By.ID, "model").text)
+        driver.find_element(By.ID, "system").send_keys("Be brief.")
         driver.find_element(By.ID, "max_tokens").send_keys("40")
-        for turn, prompt in enumerate(PROMPTS[:2]):
+
+        def send(prompt, turn):
             driver.find_element(By.ID, "prompt").send_keys(prompt)
             driver.find_element(By.ID, "send").click()
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == turn + 1)
+        for turn, prompt in enumerate(PROMPTS[:2]):
+            send(prompt, turn)
             wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant[data-done='1']")) == turn + 1)
         answers = [a.get_attribute("textContent") for a in driver.find_elements(By.CSS_SELECTOR, ".assistant")]
-        history = [{"role": "user", "content": PROMPTS[0]}]
-        first = s.client().chat.completions.create(model=model, messages=history, max_tokens=40, temperature=0)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+        first = s.client().chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
         assert answers[0] == first.choices[0].message.content and answers[1]
         stats = driver.find_elements(By.CSS_SELECTOR, ".stats")
         assert len(stats) == 2 and re.search(r"40 tokens .* tokens/s .* accepted length \d", stats[0].text), stats[0].text
         path = Path(os.environ.get("SERVE_SCREENSHOT", tmp_path / "chat.png"))
         assert driver.save_screenshot(str(path)) and path.stat().st_size > 1000
+
+        box = driver.find_element(By.ID, "max_tokens")  # a long answer, stopped once it has begun
+        box.clear()
+        box.send_keys("1900")
+        send(PROMPTS[2], 2)
+        third = driver.find_elements(By.CSS_SELECTOR, ".assistant")[2]
+        wait.until(lambda d: third.get_attribute("textContent"))
+        driver.find_element(By.ID, "stop").click()
+        wait.until(lambda d: third.get_attribute("data-done") == "1")
+        assert "stopped" in driver.find_elements(By.CSS_SELECTOR, ".stats")[2].text
+        deadline = time.time() + 10
+        while s.metrics()["serve_rows_live"] > 0 and time.time() < deadline:
+            time.sleep(0.1)
+        assert s.metrics()["serve_rows_live"] == 0 and s.metrics()['serve_requests_total{outcome="cancelled"}'] == 1
     finally:
         driver.quit()
         s.stop()
