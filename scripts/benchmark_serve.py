@@ -137,8 +137,9 @@ def summarize(method: str, n: int, results: list, wall: float) -> dict:
             "accepted_length": round(1 + sum(r["accepted"] or 0 for r in results) / cycles, 3) if cycles else None}
 
 
-def screenshot(flags: list, prompt: str, path: Path, log: Path):
-    """The chat page of a server started with flags, after it answered prompt, saved as a PNG (headless chromium)."""
+def screenshot(flags: list, prompt: str, max_tokens: int, path: Path, log: Path):
+    """The chat page of a server started with flags, after it answered prompt (at most max_tokens), saved as a PNG
+    (headless chromium)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -150,6 +151,7 @@ def screenshot(flags: list, prompt: str, path: Path, log: Path):
         driver.get(base + "/")
         wait = WebDriverWait(driver, 600)
         wait.until(lambda d: d.find_element(By.ID, "model").text)
+        driver.find_element(By.ID, "max_tokens").send_keys(str(max_tokens))
         driver.find_element(By.ID, "prompt").send_keys(prompt)
         driver.find_element(By.ID, "send").click()
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant[data-done='1']"))
@@ -211,8 +213,8 @@ def main(argv=None):
             (out / "benchmark.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "benchmark.md").write_text(markdown(result))
     if args.screenshot:
-        screenshot(model_flags + ["--eagle", "--tree", "chain-2" if args.quick else "auto"] + head_flags, prompts[0],
-                   out / "chat.png", out / "serve-screenshot.log")
+        screenshot(model_flags + ["--max_batch", "1", "--eagle", "--tree", "chain-2" if args.quick else "auto"]
+                   + head_flags, prompts[0], 4 * args.max_tokens, out / "chat.png", out / "serve-screenshot.log")
     print(markdown(result), file=sys.stderr)
     print(f"wrote benchmark.json and benchmark.md to {repo_relative(out)}", file=sys.stderr)
 
