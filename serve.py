@@ -369,7 +369,7 @@ class Worker(threading.Thread):
 
 
 def describe(args, head, tree) -> str:
-    what = f"EAGLE {args.tree if args.tree != 'auto' else 'auto'} tree" if head is not None else "plain decoding"
+    what = f"EAGLE {args.tree} tree" if head is not None else "plain decoding"
     rows = f"{args.max_batch} row{'s' * (args.max_batch > 1)}"
     return f"{model_name(args)} ({what}, {rows}{', compiled' if args.compile else ''})"
 
@@ -519,10 +519,11 @@ def create_app(worker: Worker):
                     elif kind == "text":
                         yield chunk({"content": value})
                     elif kind == "done":
-                        yield chunk(finish=value, timings=timings(job, text))
+                        final = timings(job, text)
+                        yield chunk(finish=value, timings=final)
                         if spec.include_usage:
                             data = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
-                                    "choices": [], "usage": usage(job, text), "timings": timings(job, text)}
+                                    "choices": [], "usage": usage(job, text), "timings": final}
                             yield f"data: {json.dumps(data)}\n\n"
                 yield "data: [DONE]\n\n"
             except ApiError as e:  # after the stream began: an error event, then [DONE]

@@ -15,16 +15,11 @@ from pathlib import Path
 import pytest
 
 from scripts.bench_common import build_quick_checkpoint, chromium_driver
+from scripts.benchmark_serve import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me about owls.", "Write a haiku about rain.", "What is a prime number?", "Name three rivers.",
            "How do bees make honey?", "Why is the sky blue?"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
