@@ -22,9 +22,11 @@ sampled there), then runs the rows up to the last busy one at once, in buckets o
 4. commit: each row's accepted KV entries move into place, and the head reads each row's true features.
 
 Without a head a step decodes one token per row. A row whose request finished (stop token, token budget,
-cancelled) rides along, its results ignored, until a queued request takes it (continuous batching). Static
+cancelled) rides along at its own length, its results ignored, until a queued request takes it (continuous
+batching); its tokens stay in the caches meanwhile, so a request that continues them (a chat's next turn) takes
+that row and prefills only what is new. One sequence at a time is the one-row use (Session, at the end). Static
 trees (chains, the paper tree, lists of paths, a context branch) share one structure across rows; the dynamic
-tree (EAGLE-2) grows each row's own tree, its mask and depths per row. compile=True runs the steps as full
+tree (EAGLE-2) grows each row's own tree, its mask and depths per row. Steps.compiled runs the steps as full
 graphs of static shape (one per bucket, all built by warm_up), the live slot count of their masks dynamic, so
 nothing recompiles as rows advance, finish and are refilled.
 """
@@ -33,6 +35,7 @@ import json
 import time
 import types
 import warnings
+import weakref
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -291,6 +294,7 @@ class Request:
     finish_reason: Optional[str] = None  # "stop", "length" or "cancelled"
     accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
     context: ContextLookup = field(default_factory=ContextLookup)
+    first_token_at: Optional[float] = None  # time.perf_counter() when its prefill gave the first token
 
     def __post_init__(self):
         self.prompt_len = len(self.tokens)
@@ -346,6 +350,11 @@ class BatchStats:
 
 
 # ---------------------------------------------------------------- the model steps over rows (eager, or compiled)
+def prefill_row(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor):
+    """A prompt's new tokens [1, T] at slots input_pos [T]: logits at the last one [1, 1, V], features [1, T, dim]."""
+    return model(tokens, input_pos, mask=mask, logits_at=slice(-1, None))
+
+
 def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool) -> Tensor:
     """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]."""
     logits, _ = model(tokens, input_pos, mask=mask)
@@ -365,6 +374,47 @@ def update_rows(model: Transformer, head: EagleHead, tokens: Tensor, features: T
     return head_prediction(head, hidden[torch.arange(hidden.shape[0], device=hidden.device), last][:, None], k)
 
 
+STEPS = itertools.count()  # compiled step sets made in this process (their code objects' tags)
+
+
+class Steps:
+    """The model steps an engine runs: the target's prefill, decode and verify; the head's draft, update (after a
+    commit) and prefill (update_rows both). Steps() runs them eagerly, Steps.compiled() compiled; engines given
+    the same Steps share its compiled graphs."""
+    is_compiled = False
+
+    def __init__(self, fixed: Optional[Callable] = None, variable: Optional[Callable] = None):
+        """fixed, variable: what wraps the fixed-shape steps and the two prefills (None: nothing)."""
+        fixed, variable = fixed or (lambda f: f), variable or (lambda f: f)
+        self.decode, self.verify, self.draft, self.head_update = map(fixed, (decode_rows, verify_rows, draft_step,
+                                                                            update_rows))
+        self.prefill, self.head_prefill = map(variable, (prefill_row, update_rows))
+
+    @classmethod
+    def compiled(cls, device, prefill_too: bool = False, inductor_config: Optional[dict] = None,
+                     **options) -> "Steps":
+        """Full graphs of static shape (a live mask's slot count is dynamic, see Engine.span; on CUDA, CUDA
+        graphs), so nothing recompiles as rows advance, join and leave: each step compiles once per row bucket,
+        greedy and sampling (draft_step: per tree level width). prefill_too: the prefills too, with dynamic
+        shapes. `options` go to every torch.compile call (e.g. backend=...); inductor_config (a
+        tuning.COMPILE_KINDS value) is set where inductor reads it, see compile_step. The steps' code objects
+        are this set's own (own_code), so its graphs count against Dynamo's recompile limit apart from others'."""
+        tag = f"steps{next(STEPS)}"
+        cuda = torch.device(device).type == "cuda"
+        fixed = {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if cuda else {})}
+        steps = cls(lambda f: compile_step(f, inductor_config, tag, **fixed, **options),
+                    (lambda f: compile_step(f, inductor_config, tag, fullgraph=True, dynamic=True, **options))
+                    if prefill_too else None)
+        steps.is_compiled = True
+        limit = 64  # a graph per row bucket, greedy / sampling and tree level width: more than Dynamo's default 8
+        if torch._dynamo.config.recompile_limit < limit:
+            torch._dynamo.config.recompile_limit = limit
+        return steps
+
+
+EAGER = Steps()
+
+
 def row_buckets(max_rows: int) -> list:
     """The row counts a step runs at: powers of two below max_rows, and max_rows (each a graph of its own when
     compiled)."""
@@ -375,11 +425,10 @@ def rows_tensor(values: list, device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def row_masks(bases: Tensor, tree_mask: Tensor) -> Tensor:
-    """[B, 1, n, S] bool: row b's nodes at slots bases[b].. see its prefix and their ancestors (tree_mask
-    [n, m], or [B, n, m] each row its own; m: the slots past the prefix they may see); S: the live slots of
-    the longest row (attention reads no slot past them)."""
-    slots = int(bases.max()) + tree_mask.shape[-1]
+def row_masks(bases: Tensor, tree_mask: Tensor, slots: int) -> Tensor:
+    """[B, 1, n, slots] bool: row b's nodes at slots bases[b].. see its prefix and their ancestors (tree_mask
+    [n, m], or [B, n, m] each row its own; m: the slots past the prefix they may see); slots: at least the live
+    slots of the longest row, bases.max() + m (Engine.span)."""
     masks = [tree_mask if tree_mask.dim() == 2 else tree_mask[i] for i in range(len(bases))]
     return torch.stack([tree_attention_mask(int(b), m, slots) for b, m in zip(bases, masks)])[:, None]
 
@@ -394,45 +443,48 @@ def by_sampling(rows: list) -> dict:
     return groups
 
 
-ENGINES = itertools.count()  # engines made in this process (their compiled steps' tags)
+CACHE_USERS = weakref.WeakKeyDictionary()  # a model or head -> the engine that last wrote its caches (a weakref)
 
 
 class Engine:
     """Rows decoded together by a target (and an optional EAGLE head with a static or dynamic tree): requests
     are added with their own prompt, budget, sampling and stop tokens, wait in a queue for a free row, and
-    leave when done or cancelled."""
+    leave when done or cancelled. A finished request's row keeps its tokens in the caches (it rides along at its
+    own length) until a request takes the row: a request whose prompt starts with them (the next turn of a
+    chat) takes that row and prefills only what is new."""
 
     def __init__(self, model: Transformer, max_seq_len: int, max_rows: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, compile: bool = False,
-                 inductor_config: Optional[dict] = None):
-        """compile: the steps as compiled graphs, inductor_config applied when they compile (tuning.COMPILE_KINDS:
-        None for the default kind, or frozen weights, or frozen and autotuned)."""
+                 inductor_config: Optional[dict] = None, steps: Optional[Steps] = None):
+        """steps: the model steps (engines may share a Steps and its compiled graphs); else compile: a Steps of
+        this engine's own, compiled with inductor_config (tuning.COMPILE_KINDS: None for the default kind, or
+        frozen weights, or frozen and autotuned), or eager."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
-        self.max_seq_len, self.device, self.compiled = max_seq_len, model.output.weight.device, compile
+        self.max_seq_len, self.device = max_seq_len, model.output.weight.device
+        self.steps = steps or (Steps.compiled(self.device, inductor_config=inductor_config) if compile else EAGER)
+        self.compiled = self.steps.is_compiled
+        # the slots a step's attention reads: the live ones on a CPU, the whole cache elsewhere (see span)
+        self.window_live = self.device.type == "cpu"
         self.buckets = row_buckets(max_rows)
-        steps = (decode_rows, verify_rows, draft_step, update_rows)
-        if compile:  # this engine's own graphs (own_code), one per bucket and greedy / sampling
-            tag = f"engine{next(ENGINES)}"
-            steps = [compile_step(f, inductor_config, tag, fullgraph=True, dynamic=False) for f in steps]
-            # a graph per bucket, greedy / sampling and (draft_step) tree level width: more than Dynamo's default 8
-            limit = 16 * len(self.buckets)
-            if torch._dynamo.config.recompile_limit < limit:
-                torch._dynamo.config.recompile_limit = limit
-        self.decode, self.verify, self.draft_step, self.update = steps
         scratch = 1 if head is None else tree.num_nodes + tree.max_depth + 1  # an unfinished cycle's slots
         self.cache_len = max_seq_len + scratch
         self.head_cache_len = None if head is None else max_seq_len + max(scratch, tree.draft_slots)
         self.setup_caches()
         if head is not None:
             self.tree = tree.to(self.device)
-            if head.lm_head is None:
+            if head.lm_head is None:  # a quantized target's head is bound by quantize.quantize_head_like
                 head.bind(model.output.weight)
         self.queue: list = []  # requests waiting for a row
         self.rows: list = [None] * max_rows  # the request each batch row holds (None: never used yet)
         self.root: Optional[HeadPrediction] = None  # EAGLE: the head's prediction after each row's last token
-        self.added = self.target_forwards = 0
+        self.added = 0
+        # counters over the engine's life (Session.generate reports a call's share): forwards after the prefills,
+        # head forwards (prefills included), seconds and runs per phase of the steps
+        self.target_forwards = self.head_forwards = 0
+        self.phase_s: dict = {}
+        self.phase_n: dict = {}
         self.views: dict = {}  # bucket -> (the full caches, their first rows): see first_rows
 
     def setup_caches(self, cache_len: int = 0, head_cache_len: int = 0):
@@ -450,12 +502,26 @@ class Engine:
                 self.head.setup_caches(self.head_cache_len, batch_size=self.batch_size)
                 self.rows, self.root = [None] * self.batch_size, None
 
+    def span(self, end: int, head: bool = False) -> int:
+        """The cache slots a step's attention reads when slot end - 1 is the last in use (masks are [.., slots]):
+        on a CPU the live ones, as a step's cost there grows with them (their count is dynamic in compiled
+        graphs, see live: one graph serves every length); elsewhere the whole cache, one static shape (CUDA
+        graphs)."""
+        return end if self.window_live else (self.head.max_seq_len if head else self.model.max_seq_len)
+
     def live(self, mask: Tensor) -> Tensor:
-        """A step's mask over the live slots: their count is dynamic in the compiled graphs (one graph serves
-        every length; see generate.CacheWindow)."""
-        if self.compiled:
+        """A fixed-shape step's mask, its slot count marked dynamic in compiled graphs (see span)."""
+        if self.compiled and self.window_live:
             torch._dynamo.mark_dynamic(mask, mask.dim() - 1)
         return mask
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time the block as one run of phase `name` (host time: CUDA kernels count where the host waits)."""
+        start = time.perf_counter()
+        yield
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
+        self.phase_n[name] = self.phase_n.get(name, 0) + 1
 
     # ---------------------------------------------------------------- requests
     def add(self, prompt: list, max_new_tokens: int, sampling: Optional[Sampling] = None, stop_ids=frozenset()) -> Request:
@@ -474,6 +540,13 @@ class Engine:
         if not request.done:
             request.done, request.finish_reason = True, "cancelled"
 
+    def forget(self):
+        """Finished rows forget their tokens (the next request prefills its whole prompt): each becomes a spare
+        riding along at slot 1."""
+        for b, row in enumerate(self.rows):
+            if row is not None and row.done and row.id >= 0:
+                self.rows[b] = Request([0, 0], 0, Sampling(), done=True, length=1)
+
     @property
     def running(self) -> int:
         """Rows holding an unfinished request."""
@@ -490,6 +563,12 @@ class Engine:
         comes from the prefill); a request that finished has done set."""
         # the target's features are what this engine's head reads (EAGLE-3: fused layers' states)
         self.model.feature_layers = None if self.head is None else self.head.feature_layers
+        for module in (self.model, self.head):  # another engine wrote these caches: the finished rows' are gone
+            if module is not None:
+                user = CACHE_USERS.get(module)
+                if user is None or user() is not self:
+                    self.forget()
+                    CACHE_USERS[module] = weakref.ref(self)
         events: dict = {}
         self._admit(events)
         if self.running:
@@ -532,6 +611,7 @@ class Engine:
         for n in self.buckets:
             for s in samplings:
                 self.generate([prompt] * n, max_new_tokens, s or Sampling())
+        self.forget()
 
     @torch.no_grad()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
@@ -549,21 +629,35 @@ class Engine:
         return [r.out for r in requests], BatchStats([len(r.out) for r in requests], [r.accept_lengths for r in requests],
                                                      self.target_forwards - forwards, time.perf_counter() - start)
 
+    def held(self, b: int, prompt: list) -> int:
+        """How many of prompt's first tokens row b's caches hold ready (target's and head's), leaving one at least
+        to prefill: a finished request's tokens in the target cache, its pairs (f_i, t_{i+1}) in the head's."""
+        row = self.rows[b]
+        if row is None or row.id < 0 or not row.done:
+            return 0
+        tokens = row.tokens[: row.length + (self.head is not None)]  # a head pair i needs token i + 1 too
+        same = next((i for i, (a, c) in enumerate(zip(tokens, prompt)) if a != c), min(len(tokens), len(prompt)))
+        return max(0, min(same - (self.head is not None), row.length, len(prompt) - 1))
+
     def _admit(self, events: dict):
-        """Every free row takes the next queued request (and the one after, if the first new token already ends
-        it): prefill, first token and (EAGLE) the head's prompt, all in that row alone. A row never used gets a
-        spare one-token request to ride along with, so that every row has a length and a root; a row whose request
-        finished rides along as such a spare (its results are ignored) until a request comes."""
+        """Each queued request, in order, takes the free row that holds most of its prompt (the lowest of equals),
+        while rows are free: prefill, first token and (EAGLE) the head's prompt, all in that row alone. A row never
+        used gets a spare one-token request to ride along with, so that every row has a length and a root."""
         roots: dict = {}
+        while self.queue:
+            free = [b for b, r in enumerate(self.rows) if r is None or r.done]
+            if not free:
+                break
+            request = self.queue.pop(0)
+            b = max(free, key=lambda b: (self.held(b, request.tokens), -b))
+            roots[b] = self._prefill(b, request, self.held(b, request.tokens))
+            self.rows[b] = request
+            request.first_token_at = time.perf_counter()
+            events[request] = request.emit([request.tokens[-1]])
         for b, row in enumerate(self.rows):
-            while (row is None or row.done) and (self.queue or row is None):
-                row = self.queue.pop(0) if self.queue else Request([0], 0, Sampling(), done=True)
-                self.rows[b] = row
-                roots[b] = self._prefill(b, row)
-                if row.id >= 0:
-                    events[row] = row.emit([row.tokens[-1]])
-            if row.done and row.id >= 0:  # a finished request's row with nothing queued: it rides along at slot 1
-                self.rows[b] = Request([0, 0], 0, Sampling(), done=True, length=1)  # (a mask spans the longest row)
+            if row is None:
+                self.rows[b] = Request([0], 0, Sampling(), done=True)
+                roots[b] = self._prefill(b, self.rows[b], 0)
         if self.head is None or not roots:
             return
         if self.root is None:  # the first step: every row was just filled
@@ -573,38 +667,52 @@ class Engine:
                 for full, part in zip(self.root, one):
                     full[b] = part[0]
 
-    def _prefill(self, b: int, row: Request) -> Optional[HeadPrediction]:
-        """Row b's prompt through the target (a batch-1 forward into row b of its cache), its first new token
-        appended to row.tokens (it is not in the cache yet); with a head, the head reads the prompt's pairs
-        (f_i, t_{i+1}), the first new token last, and its prediction there drafts the row's first tree."""
+    @contextmanager
+    def row_caches(self, b: int):
+        """Within the block the KV caches (target's and head's) are batch row b alone (a one-row engine's are)."""
+        if self.batch_size == 1:
+            yield
+            return
+        with self.model.cache_row(b), narrow_caches([] if self.head is None else self.head.kv_caches(), b):
+            yield
+
+    def _prefill(self, b: int, row: Request, held: int) -> Optional[HeadPrediction]:
+        """Row b's prompt past the `held` tokens its caches hold through the target (a batch-1 forward into row b
+        of its cache), its first new token appended to row.tokens (it is not in the cache yet); with a head, the
+        head reads the prompt's pairs (f_i, t_{i+1}) from held on, the first new token last, and its prediction
+        there drafts the row's first tree."""
         T = len(row.tokens)
-        pos = torch.arange(T, device=self.device)
-        with self.model.cache_row(b):
-            logits, features = self.model(rows_tensor([row.tokens], self.device), pos, mask=causal_mask(pos, T),
-                                          logits_at=slice(-1, None))
-        row.length = T
-        row.tokens.append(int(sample(logits[0, -1], row.sampling)))
-        if self.head is None:
-            return None
-        with narrow_caches(self.head.kv_caches(), b):  # eager: the prompts' length varies
-            return update_rows(self.model, self.head, rows_tensor([self.head.pair_tokens(row.tokens[1:], row.tokens[:T])],
-                                                                  self.device),
-                               features, pos, causal_mask(pos, T), rows_tensor([T - 1], self.device),
-                               self.tree.max_rank + 1)
+        pos = torch.arange(held, T, device=self.device)
+        with self.row_caches(b):
+            logits, features = self.steps.prefill(self.model, rows_tensor([row.tokens[held:]], self.device), pos,
+                                                  causal_mask(pos, self.span(T)))
+            row.length = T
+            row.tokens.append(int(sample(logits[0, -1], row.sampling)))
+            if self.head is None:
+                return None
+            self.head_forwards += 1
+            paired = self.head.pair_tokens(row.tokens[held + 1:], row.tokens[held:T])
+            return self.steps.head_prefill(self.model, self.head, rows_tensor([paired], self.device), features, pos,
+                                           causal_mask(pos, self.span(T, head=True)),
+                                           rows_tensor([T - 1 - held], self.device), self.tree.max_rank + 1)
 
     # ---------------------------------------------------------------- vanilla
     def _vanilla_step(self, rows: list, events: dict):
         """One token per row (each row's last token, at its slot `length`); a finished row re-runs its slot."""
-        pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
-        mask = self.live(causal_mask(pos, int(pos.max()) + 1)[:, None])  # [B, 1, 1, S]
-        groups = by_sampling(rows)
-        out = self.decode(self.model, rows_tensor([[r.tokens[-1]] for r in rows], self.device), pos, mask, not groups)
-        self.target_forwards += 1
-        nxt = out if not groups else argmax_tokens(out)
-        for s, members in groups.items():
-            index = rows_tensor(members, self.device)
-            nxt[index] = sample(out[index], s)
-        for r, token in zip(rows, nxt.tolist()):
+        with self.phase("decode"):
+            pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
+            mask = self.live(causal_mask(pos, self.span(int(pos.max()) + 1))[:, None])  # [B, 1, 1, S]
+            groups = by_sampling(rows)
+            out = self.steps.decode(self.model, rows_tensor([[r.tokens[-1]] for r in rows], self.device), pos, mask,
+                                    not groups)
+            self.target_forwards += 1
+        with self.phase("sample"):
+            nxt = out if not groups else argmax_tokens(out)
+            for s, members in groups.items():
+                index = rows_tensor(members, self.device)
+                nxt[index] = sample(out[index], s)
+            nxt = nxt.tolist()
+        for r, token in zip(rows, nxt):
             if not r.done:
                 r.length += 1
                 r.tokens.append(token)
@@ -616,22 +724,26 @@ class Engine:
         root = HeadPrediction(*(t[:n] for t in self.root))
         bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
         groups = by_sampling(rows)
-        draft = (self._draft_dynamic(rows, bases, root) if isinstance(self.tree, DynamicTree)
-                 else self._draft(rows, bases, root, groups))  # 1.
-        out, features = self._verify(draft, bases, not groups)  # 2.
-        self.target_forwards += 1
-        paths, new, node_tokens = [], [], draft.tokens.tolist()
-        for b, (r, tokens) in enumerate(zip(rows, node_tokens)):  # 3. each row its own path and bonus token
-            if r.done:
-                paths.append([0])
-                new.append([tokens[0]])
-                continue
-            path, bonus = self._accept(draft, b, tokens, out[b], r.sampling, greedy_out=not groups)
-            paths.append(path)
-            new.append([tokens[i] for i in path[1:]] + [bonus])
-            r.accept_lengths.append(len(path) - 1)
-        for full, part in zip(self.root, self._commit(rows, bases, paths, new, features)):  # 4.
-            full[:n] = part
+        with self.phase("draft"):  # 1.
+            draft = (self._draft_dynamic(rows, bases, root) if isinstance(self.tree, DynamicTree)
+                     else self._draft(rows, bases, root, groups))
+        with self.phase("verify"):  # 2.
+            out, features = self._verify(draft, bases, not groups)
+            self.target_forwards += 1
+        with self.phase("accept"):  # 3. each row its own path and bonus token
+            paths, new, node_tokens = [], [], draft.tokens.tolist()
+            for b, (r, tokens) in enumerate(zip(rows, node_tokens)):
+                if r.done:
+                    paths.append([0])
+                    new.append([tokens[0]])
+                    continue
+                path, bonus = self._accept(draft, b, tokens, out[b], r.sampling, greedy_out=not groups)
+                paths.append(path)
+                new.append([tokens[i] for i in path[1:]] + [bonus])
+                r.accept_lengths.append(len(path) - 1)
+        with self.phase("commit"):  # 4.
+            for full, part in zip(self.root, self._commit(rows, bases, paths, new, features)):
+                full[:n] = part
         for r, path, tokens_b in zip(rows, paths, new):
             if not r.done:
                 r.tokens += tokens_b
@@ -639,9 +751,12 @@ class Engine:
                 events[r] = events.get(r, []) + r.emit(tokens_b)
 
     def _draft(self, rows: list, bases: Tensor, root, groups: dict):
-        """Step 1, as tree.Tree.draft for each row at once: a node of rank r is its parent's r-th most likely
-        draft token (greedy rows) or r-th draw without replacement from the head's q (rows that sample, q kept
-        in draft_probs [B, n, vocab]). Node j's head slot: base + j - 1; depth d's rotary position base + d - 1."""
+        """Step 1 with a static tree (EAGLE-1), every row at once: one head forward per level on all its nodes (a
+        tree of depth 1, chain-1, makes none: the root's children come from the last commit). A node of rank r is
+        its parent's r-th most likely draft token (greedy rows) or r-th draw without replacement from the head's q
+        through the row's temperature / top-k / top-p (rows that sample, q kept in draft_probs [B, n, vocab]:
+        accepted with about sum_x min(p(x), q(x)), the argmax only with p(argmax q)); the context branch is copied
+        from each row's text. Node j's head slot: base + j - 1; depth d's rotary position base + d - 1."""
         tree, head, B = self.tree, self.head, len(rows)
         k, n_head = tree.max_rank + 1, len(tree.paths) + 1
         tokens = rows_tensor([[r.tokens[-1]] for r in rows], self.device).repeat(1, tree.num_nodes)
@@ -651,7 +766,8 @@ class Engine:
         if groups:
             draft_probs = torch.zeros(B, tree.num_nodes, self.model.config.vocab_size, device=self.device)
             vocab_ids = head.token_ids(torch.arange(root.logits.shape[-1], device=self.device))
-        head_mask = row_masks(bases, tree.tree_mask[1:n_head, 1:n_head]) if tree.draft_steps else None
+        head_mask = row_masks(bases, tree.tree_mask[1:n_head, 1:n_head], self.span(int(bases.max()) + n_head - 1, head=True)) \
+            if tree.draft_steps else None
         parent, parent_first = root, 0
         for depth, (first, end, parent_in_level) in enumerate(tree.levels, 1):
             tokens[:, first:end] = parent.top_tokens[:, parent_in_level, tree.ranks[first:end]]
@@ -666,16 +782,17 @@ class Engine:
             m = end - first
             pos = bases[:, None] + torch.arange(first - 1, end - 1, device=self.device)  # [B, m]
             paired = head.pair_tokens(tokens[:, first:end], tokens[:, tree.parents[first:end]])
-            parent = self.draft_step(self.model, head, paired, parent.hidden[:, parent_in_level], pos,
-                                     (bases + depth - 1)[:, None].expand(B, m),
-                                     self.live(head_mask[:, :, first - 1:end - 1]), k)
+            parent = self.steps.draft(self.model, head, paired, parent.hidden[:, parent_in_level], pos,
+                                      (bases + depth - 1)[:, None].expand(B, m),
+                                      self.live(head_mask[:, :, first - 1:end - 1]), k)
+            self.head_forwards += 1
             parent_first = first
         parents = tree.parents.tolist()
         return RowsDraft(tokens, tree.depths, tree.tree_mask, [parents] * B, [tree.children] * B, draft_probs,
                          n_head if tree.lookup else None)
 
     def _draft_dynamic(self, rows: list, bases: Tensor, root) -> RowsDraft:
-        """Step 1 with EAGLE-2's dynamic tree, as tree.DynamicTree.draft for each row at once: every row expands its
+        """Step 1 with EAGLE-2's dynamic tree, every row at once: each row expands its
         own top_k frontier for depth levels (one head forward of B x top_k nodes per level; frontier node i of
         depth d at head slot base + (d - 1) * top_k + i), then keeps its best total_tokens nodes: each row its
         own tree (parents, depths and mask per row; one-hot proposals at any temperature)."""
@@ -694,9 +811,11 @@ class Engine:
             own = torch.arange((depth - 1) * K, depth * K, device=device)
             frontier_slots[:, torch.arange(K, device=device), own] = True
             parent_tokens = torch.cat([root_tokens, tokens], 1).gather(1, pool_parents.gather(1, frontier) + 1)
-            pred = self.draft_step(self.model, head, head.pair_tokens(tokens.gather(1, frontier), parent_tokens),
-                                   frontier_hidden, bases[:, None] + own, (bases + depth - 1)[:, None].expand(B, K),
-                                   self.live(row_masks(bases, frontier_slots)), K)
+            pred = self.steps.draft(self.model, head, head.pair_tokens(tokens.gather(1, frontier), parent_tokens),
+                                    frontier_hidden, bases[:, None] + own, (bases + depth - 1)[:, None].expand(B, K),
+                                    self.live(row_masks(bases, frontier_slots,
+                                                        self.span(int(bases.max()) + tree.draft_slots, head=True))), K)
+            self.head_forwards += 1
             child_scores = (scores.gather(1, frontier)[:, :, None] + pred.top_logp).flatten(1)  # [B, K * K]
             pool.append((pred.top_tokens.flatten(1), child_scores, frontier.repeat_interleave(K, dim=1),
                          torch.full((B, K * K), depth + 1, device=device)))
@@ -722,8 +841,8 @@ class Engine:
         """Step 2: the target over every row's nodes: greedy tokens (or logits) after each node, and features."""
         n = draft.tokens.shape[1]
         input_pos = bases[:, None] + torch.arange(n, device=self.device)
-        return self.verify(self.model, draft.tokens, input_pos, bases[:, None] + draft.depths,
-                           self.live(row_masks(bases, draft.tree_mask)), greedy)
+        return self.steps.verify(self.model, draft.tokens, input_pos, bases[:, None] + draft.depths,
+                                 self.live(row_masks(bases, draft.tree_mask, self.span(int(bases.max()) + n))), greedy)
 
     def _accept(self, draft: RowsDraft, b: int, tokens: list, out: Tensor, sampling: Sampling, greedy_out: bool):
         """Step 3 for row b (its node tokens as a list; out: the target's greedy tokens after each node, or with
@@ -748,6 +867,74 @@ class Engine:
         next_tokens = rows_tensor([t + [0] * (pad - len(t)) for t in new], self.device)
         own = rows_tensor([[r.tokens[-1]] + t[:-1] + [0] * (pad - len(t)) for r, t in zip(rows, new)], self.device)
         pos = bases[:, None] + torch.arange(pad, device=self.device)
-        return self.update(self.model, self.head, self.head.pair_tokens(next_tokens, own), feats, pos,
-                           self.live(causal_mask(pos, int(pos.max()) + 1)[:, None]),
-                           rows_tensor([len(p) - 1 for p in paths], self.device), self.tree.max_rank + 1)
+        self.head_forwards += 1
+        return self.steps.head_update(self.model, self.head, self.head.pair_tokens(next_tokens, own), feats, pos,
+                                      self.live(causal_mask(pos, self.span(int(pos.max()) + 1, head=True))[:, None]),
+                                      rows_tensor([len(p) - 1 for p in paths], self.device), self.tree.max_rank + 1)
+
+
+# ---------------------------------------------------------------- one sequence at a time
+@dataclass
+class Stats:
+    """One Session.generate call's numbers."""
+    new_tokens: int = 0
+    prefill_s: float = 0.0  # time to the first token
+    total_s: float = 0.0
+    target_forwards: int = 0  # decode / verify forwards after the prefill
+    head_forwards: int = 0
+    accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
+    phase_s: dict = field(default_factory=dict)  # seconds spent per phase of the decode steps / EAGLE cycles
+    phase_n: dict = field(default_factory=dict)  # times each phase ran
+
+    def phase_ms(self) -> dict:
+        """Mean milliseconds per run of each phase (vanilla: decode, sample; EAGLE: the four steps)."""
+        return {name: 1000 * t / self.phase_n[name] for name, t in self.phase_s.items() if self.phase_n[name]}
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target forward, bonus token included."""
+        return (sum(self.accept_lengths) + len(self.accept_lengths)) / max(1, len(self.accept_lengths))
+
+    def acceptance_by_depth(self, max_depth: int) -> list:
+        """Fraction of cycles whose accepted path reached depth d, d = 1..max_depth."""
+        n = max(1, len(self.accept_lengths))
+        return [sum(a >= d for a in self.accept_lengths) / n for d in range(1, max_depth + 1)]
+
+
+class Session:
+    """One sequence at a time: the engine's one-row use (the command line, chat, the benchmark). A prompt that
+    extends the tokens of the last call (the next chat turn) prefills only what is new; reset() forgets them."""
+
+    def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
+                 tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None):
+        self.engine = Engine(model, max_seq_len, 1, head, tree, steps=steps)
+        self.model, self.head, self.tree, self.max_seq_len = model, head, self.engine.tree, max_seq_len
+
+    def reset(self):
+        """Forget the cached conversation: the next generate prefills its whole prompt."""
+        self.engine.forget()
+
+    @torch.no_grad()
+    def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
+                 on_tokens: Optional[Callable] = None):
+        """Generate after `prompt` (a list of token ids). Returns (new token ids, Stats).
+        on_tokens(list) is called with each batch of committed tokens (for streaming)."""
+        e = self.engine
+        e.setup_caches()
+        before = (e.target_forwards, e.head_forwards, dict(e.phase_s), dict(e.phase_n))
+        start = time.perf_counter()
+        request = e.add(prompt, max_new_tokens, sampling, stop_ids)
+        while not request.done:
+            for _, new in e.step():
+                if on_tokens and new:
+                    on_tokens(new)
+        phases = {name: e.phase_n[name] - before[3].get(name, 0) for name in e.phase_n}
+        return request.out, Stats(
+            len(request.out), request.first_token_at - start, time.perf_counter() - start,
+            e.target_forwards - before[0], e.head_forwards - before[1], request.accept_lengths,
+            {name: e.phase_s[name] - before[2].get(name, 0.0) for name in phases if phases[name]},
+            {name: n for name, n in phases.items() if n})

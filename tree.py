@@ -1,4 +1,4 @@
-"""Draft trees: their buffers, the tree attention mask, and the draft (step 1 of the EAGLE cycle).
+"""Draft trees: their buffers and the tree attention mask (engine.py drafts with them, step 1 of the EAGLE cycle).
 
 A static tree (`Tree`, EAGLE-1) is a list of paths; a path lists child ranks from the root: [0, 1] is
 the second-best draft child of the best draft child of the root. Node 0 is the root (the last committed
@@ -6,9 +6,9 @@ token); the other nodes are ordered by depth, so each draft level is a contiguou
 EAGLE-2's dynamic tree (`DynamicTree`) picks its nodes per cycle from the draft's scores, with a fixed
 node count so the verify shape stays static.
 
-Both kinds answer num_nodes, max_depth, max_rank, draft_steps, draft_slots, to(device), and draft(session,
-root_token, root, sampling) -> Draft, the nodes to verify. `tree_attention_mask` is the one mask builder
-for the target (verify) and the head (draft steps): a node sees the committed prefix and its ancestors.
+Both kinds answer num_nodes, max_depth, max_rank, draft_steps, draft_slots and to(device); engine.Engine's _draft
+and _draft_dynamic grow them. `tree_attention_mask` is the one mask builder for the target (verify) and the head
+(draft steps): a node sees the committed prefix and its ancestors.
 
 A static tree may also hold a context branch ("paper+lookup-3"): a chain of `lookup` nodes from the root,
 after the head's nodes, whose tokens are copied from the text so far (ContextLookup, prompt lookup
@@ -16,7 +16,6 @@ decoding). They cost no head forward, only verify rows; verification treats them
 """
 import ast
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -74,18 +73,6 @@ def parse_paths(spec: str) -> list:
     return paths
 
 
-@dataclass
-class Draft:
-    """One cycle's candidate tokens, what verify checks; node 0 is the root, parents precede children."""
-    tokens: Tensor  # [n] node tokens
-    parents: Tensor  # [n] (root: 0)
-    depths: Tensor  # [n]: rotary position prefix_len + depth
-    tree_mask: Tensor  # [n, n]: ancestors and self
-    children: list  # children[i]: node i's children in node order
-    draft_probs: Optional[Tensor] = None  # [n, vocab]: the law node i's children were drawn from (None: one-hot)
-    lookup_from: Optional[int] = None  # nodes from this index on are context proposals (one-hot)
-
-
 def children_of(parents: list) -> list:
     children = [[] for _ in parents]
     for child, parent in enumerate(parents[1:], 1):
@@ -125,42 +112,6 @@ class Tree:
             setattr(self, name, getattr(self, name).to(device))
         self.levels = [(a, b, p.to(device)) for a, b, p in self.levels]
         return self
-
-    def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-1: one head forward per level on all its nodes, through the session's steps, model, head and
-        window (the context branch: session.context's proposal); root: the head's prediction after the root.
-        Greedy: a node of rank r is its parent's r-th most likely draft token. Sampling: the r-th draw without
-        replacement from the head's q (through the target's temperature / top-k / top-p), kept in draft_probs
-        (accepted with about sum_x min(p(x), q(x)), the argmax only with p(argmax q)). Node j's head slot:
-        base + j - 1, depth d's rotary position: base + d - 1 (base: the root's slot)."""
-        steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
-        device, k = root.hidden.device, self.max_rank + 1
-        tokens, n_head = torch.full((self.num_nodes,), root_token, dtype=torch.long, device=device), len(self.paths) + 1
-        if self.lookup:
-            tokens[n_head:] = torch.tensor(session.context.propose(session.tokens, self.lookup), device=device)
-        draft_probs = vocab_ids = None
-        # [draft nodes, head slots]; a tree of depth 1 (chain-1) makes no draft step
-        head_mask = window.tree(base, self.tree_mask[1:n_head, 1:n_head], head.max_seq_len) if self.draft_steps else None
-        if not sampling.greedy:
-            draft_probs = torch.zeros(self.num_nodes, target.config.vocab_size, device=device)
-            vocab_ids = head.token_ids(torch.arange(root.logits.shape[-1], device=device))
-        parent, parent_first = root, 0
-        for depth, (first, end, parent_in_level) in enumerate(self.levels, 1):
-            if sampling.greedy:
-                tokens[first:end] = parent.top_tokens[0, parent_in_level, self.ranks[first:end]]
-            else:  # k draws without replacement per parent, in draw order
-                q = sampling.probs(parent.logits[0])  # [parents in level, draft vocab]
-                draft_probs[parent_first:parent_first + q.shape[0], vocab_ids] = q
-                tokens[first:end] = vocab_ids[sampling.draw(q, k)[parent_in_level, self.ranks[first:end]]]
-            if depth == len(self.levels):
-                break
-            parent = steps.draft(target, head, head.pair_tokens(tokens[first:end], tokens[self.parents[first:end]]).view(1, -1),
-                                 parent.hidden[:, parent_in_level], base + torch.arange(first - 1, end - 1, device=device),
-                                 torch.full((end - first,), base + depth - 1, device=device),
-                                 window.mark(head_mask[first - 1:end - 1]), k)
-            parent_first = first
-        return Draft(tokens, self.parents, self.depths, self.tree_mask, self.children, draft_probs,
-                     n_head if self.lookup else None)
 
 
 def build_tree(paths: list, lookup: int = 0) -> Tree:
@@ -207,45 +158,6 @@ class DynamicTree:
 
     def to(self, device):
         return self  # nothing static to move
-
-    def draft(self, session, root_token: int, root, sampling) -> Draft:
-        """EAGLE-2 (its nodes are the draft's best tokens: one-hot proposals at any temperature). Frontier node
-        i of depth d uses head scratch slot base + (d-1)*top_k + i (base: the root's slot)."""
-        steps, target, head, window, base = session.steps, session.model, session.head, session.window, session.target_len
-        device, K = root.hidden.device, self.top_k
-        # the candidate pool in creation order, chunked: (tokens, cumulative log-probs, parents: pool index
-        # (-1: the root), depths)
-        pool = [(root.top_tokens[0, 0], root.top_logp[0, 0], torch.full((K,), -1, device=device),
-                 torch.ones(K, dtype=torch.long, device=device))]
-        frontier = torch.arange(K, device=device)  # pool indices of the frontier
-        frontier_hidden = root.hidden.expand(1, K, -1)  # features their head inputs pair with
-        frontier_slots = torch.zeros(K, self.draft_slots, dtype=torch.bool, device=device)  # scratch ancestors
-        root_tokens = torch.tensor([root_token], device=device)
-        for depth in range(1, self.depth):
-            tokens, scores, pool_parents, _ = (torch.cat(chunks) for chunks in zip(*pool))
-            own = torch.arange((depth - 1) * K, depth * K, device=device)
-            frontier_slots[torch.arange(K, device=device), own] = True
-            parent_tokens = torch.cat([root_tokens, tokens])[pool_parents[frontier] + 1]
-            pred = steps.draft(target, head, head.pair_tokens(tokens[frontier], parent_tokens).view(1, -1),
-                               frontier_hidden, base + own, torch.full((K,), base + depth - 1, device=device),
-                               window.tree(base, frontier_slots, head.max_seq_len), K)
-            child_scores = (scores[frontier, None] + pred.top_logp[0]).flatten()  # [K*K]
-            pool.append((pred.top_tokens[0].flatten(), child_scores, frontier.repeat_interleave(K),
-                         torch.full((K * K,), depth + 1, device=device)))
-            best = child_scores.topk(K).indices  # the next frontier: the best K children (pool index tokens.numel() + best)
-            frontier_slots, frontier_hidden = frontier_slots[best // K], pred.hidden[:, best // K]
-            frontier = tokens.numel() + best
-        tokens, scores, pool_parents, depths = (torch.cat(chunks) for chunks in zip(*pool))
-        # best nodes by score; on equal score the shallower first, so a node's parent is always kept
-        order = torch.sort(depths, stable=True).indices
-        order = order[torch.sort(scores[order], descending=True, stable=True).indices]
-        keep = order[: self.total_tokens]
-        keep = keep[torch.sort(depths[keep], stable=True).indices]  # parents before children
-        index_of = torch.zeros(tokens.numel() + 1, dtype=torch.long, device=device)  # pool index -> node
-        index_of[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
-        parents = torch.cat([torch.zeros(1, dtype=torch.long, device=device), index_of[pool_parents[keep] + 1]])
-        tree_mask, node_depths = ancestor_mask(parents, self.depth)
-        return Draft(torch.cat([root_tokens, tokens[keep]]), parents, node_depths, tree_mask, children_of(parents.tolist()))
 
 
 def ancestor_mask(parents: Tensor, max_depth: int):

@@ -19,8 +19,8 @@ The three forwards are compiled once each with the row count marked dynamic (tor
 one row is always a graph of its own, as Dynamo specialises size 1): a fixed-shape graph per row count
 would take about a minute each to compile. The check block times fixed-shape graphs (what generate.py
 compiles for one tree) at --check_rows against the dynamic graph and eager mode, to say whether the
-dynamic curve stands for them. The steps mirror generate.py's verify, draft_step and head_extend (same
-model calls; of generate.py it takes COMPILE_KINDS and compile_step, which applies them). With --autotune,
+dynamic curve stands for them. The steps timed are the engine's own (engine.verify_rows, draft_step and
+update_rows, compiled by engine.compile_step with tuning.COMPILE_KINDS' settings). With --autotune,
 fixed-shape verifies compiled each of tuning.COMPILE_KINDS' ways (default; weights frozen; frozen and
 inductor's max-autotune) are timed against each other (autotune_table); `autotune[precision].auto`, the fastest
 kind at least AUTOTUNE_MARGIN faster than the default among those inductor's on-disk cache keeps, is what
@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer, causal_mask  # noqa: E402
-from engine import compile_step  # noqa: E402
+from engine import compile_step, draft_step, update_rows, verify_rows  # noqa: E402
 from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, instruction_set, profile_model  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -83,30 +83,14 @@ def cpu_name() -> str:
     return platform.processor()
 
 
-# ---------------------------------------------------------------- the cycle's steps (as in generate.py)
-def verify_rows(model, tokens, input_pos, mask):
-    """generate.verify (batched.verify_rows), greedy: the target over tokens [B, n] at slots input_pos; greedy
-    tokens and features."""
-    logits, features = model(tokens, input_pos, mask=mask)
-    return logits.float().argmax(-1), features
-
-
-def draft_rows(model, head, tokens, features, input_pos, mask):
-    """generate.draft_step: head forward on a level's nodes, draft logits, top-k draft tokens."""
-    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask, input_pos)
-    top = head.draft_logits(hidden).float().log_softmax(-1).topk(TOP_K, dim=-1)
-    return hidden, top.values, head.token_ids(top.indices)
-
-
-def update_rows(model, head, tokens, features, input_pos, mask, last):
-    """generate.head_extend: head forward on committed pairs, the next root's draft from row `last`."""
-    hidden = head(model.tok_embeddings(tokens), features, input_pos, mask).index_select(1, last)
-    top = head.draft_logits(hidden).float().log_softmax(-1).topk(TOP_K, dim=-1)
-    return hidden, top.values, head.token_ids(top.indices)
+# ---------------------------------------------------------------- the cycle's steps: the engine's own
+def verify_greedy(model, tokens, input_pos, mask):
+    """engine.verify_rows, greedy: the target over tokens [B, n] at slots (and rotary positions) input_pos."""
+    return verify_rows(model, tokens, input_pos, input_pos, mask, True)
 
 
 def compiled(fn, tag: str, inductor_config=None):
-    """fn compiled as generate.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value), its
+    """fn compiled as engine.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value), its
     graphs its own (engine.own_code: a fixed-shape compile of verify_rows would otherwise reuse the dynamic graph,
     and four precisions would share one cache)."""
     return compile_step(fn, inductor_config, tag, fullgraph=True, dynamic=False)
@@ -153,7 +137,7 @@ class Pieces:
         _, feats = self.model(prompt[:, :PREFIX], pos, mask=causal_mask(pos, PREFIX))
         self.head(self.model.tok_embeddings(prompt[:, 1:]), feats, pos, causal_mask(pos, PREFIX))
         self.feature = feats[:, -1:]
-        self.steps = {"verify": verify_rows, "draft": draft_rows, "update": update_rows}
+        self.steps = {"verify": verify_greedy, "draft": draft_step, "update": update_rows}
         if mode != "eager":
             self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
 
@@ -182,10 +166,10 @@ class Pieces:
         features = self.feature.expand(B, rows, -1).contiguous()
         dynamic((tokens, [1]), (pos, pos_dims), (mask, mask_dims), (features, [1]))
         if piece == "draft":
-            return lambda: steps["draft"](self.model, self.head, tokens, features, pos, mask)
+            return lambda: steps["draft"](self.model, self.head, tokens, features, pos, pos, mask, TOP_K)
         if piece == "update":
-            last = torch.tensor([rows - 1])
-            return lambda: steps["update"](self.model, self.head, tokens, features, pos, mask, last)
+            last = torch.full((B,), rows - 1)
+            return lambda: steps["update"](self.model, self.head, tokens, features, pos, mask, last, TOP_K)
         caches = self.model.kv_caches()  # move: as Session's commit, eager
         src, dst = pos + rows, pos
         return lambda: [c.move(src, dst) for c in caches]
@@ -280,7 +264,7 @@ def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullco
     for precision, pc in pieces.items():
         for n in rows:
             for kind, config in COMPILE_KINDS.items():
-                jobs[precision, kind, n] = pc.call("verify", n, {"verify": compiled(verify_rows, f"{precision}_{kind}_{n}",
+                jobs[precision, kind, n] = pc.call("verify", n, {"verify": compiled(verify_greedy, f"{precision}_{kind}_{n}",
                                                                                      config)}, rows_dynamic=False)
                 bypassed = counters["inductor"]["fxgraph_cache_bypass"]
                 jobs[precision, kind, n]()
@@ -409,11 +393,11 @@ def main(argv=None):
         check_jobs = {}
         for precision, pc in pieces.items():
             for n in args.check_rows:
-                fixed = {"verify": compiled(verify_rows, f"{precision}_{n}")}
+                fixed = {"verify": compiled(verify_greedy, f"{precision}_{n}")}
                 check_jobs[precision, "fixed", n] = pc.call("verify", n, fixed, rows_dynamic=False)
                 check_jobs[precision, "fixed", n]()
                 check_jobs[precision, "fixed", n]()
-                check_jobs[precision, "eager", n] = pc.call("verify", n, {"verify": verify_rows})
+                check_jobs[precision, "eager", n] = pc.call("verify", n, {"verify": verify_greedy})
                 check_jobs[precision, "curve", n] = jobs[precision, "verify", n]
         checked, checked_wall = timed_round_robin(check_jobs, args.reps, seed=1)
         for precision in pieces:

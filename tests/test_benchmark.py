@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import engine
 import generate
 from scripts import bench_common, benchmark
 
@@ -112,8 +113,8 @@ def test_tau_and_acceptance_agree_with_cycle_logs(quick):
         # the committed tokens after the prefill's cover the output; only the last cycle may overshoot
         assert r["committed"] - (accept[-1] + 1) < r["new_tokens"] - 1 <= r["committed"]
         # head forwards: the prompt catch-up, per cycle one per drafted level (max_depth - 1) and the commit
-        # update, except after the last cycle, whose tokens end the generation
-        assert r["head_forwards"] == 1 + len(accept) * (m["max_depth"] - 1) + len(accept) - 1
+        # update (the last cycle's too: its row keeps the tokens for a follow-up)
+        assert r["head_forwards"] == 1 + len(accept) * (m["max_depth"] - 1) + len(accept)
     for g in result["summary"]:
         for name, s in g["methods"].items():
             runs = [r for r in result["runs"] if r["method"] == name and r["temperature"] == g["temperature"]
@@ -221,8 +222,8 @@ def test_compiled_methods_use_the_compiled_steps_and_categories(tmp_path, monkey
         torch.set_num_threads(threads)
     eager = generate.EAGER
     assert (eager.decode, eager.verify, eager.draft, eager.head_update, eager.prefill, eager.head_prefill) == (
-        generate.decode_one_token, generate.verify, generate.draft_step, generate.head_extend, generate.prefill,
-        generate.head_extend)
+        engine.decode_rows, engine.verify_rows, engine.draft_step, engine.update_rows, engine.prefill_row,
+        engine.update_rows)
     assert {name for name, *_ in ran} == {f"{kind}-fp32-{mode}" for kind in ("vanilla", "eagle-chain-3")
                                           for mode in ("eager", "compiled", "frozen", "autotuned")}
     settings = {"eager": set(), "compiled": {(False, False)}, "frozen": {(True, False)}, "autotuned": {(True, True)}}

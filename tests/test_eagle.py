@@ -149,9 +149,9 @@ def check_stats(stats, out, max_new_tokens, tree):
     committed = 1 + sum(a + 1 for a in accepts)
     assert committed >= len(out) and (not accepts or committed - (accepts[-1] + 1) < len(out))
     assert stats.tau == (sum(accepts) + len(accepts)) / max(1, len(accepts))
-    # phase times: every cycle drafted, verified and accepted; all but the last (cut short) committed
+    # phase times: every cycle drafted, verified, accepted and committed (the last too: its row keeps the tokens)
     n = stats.phase_n
-    assert n["draft"] == n["verify"] == n["accept"] == len(accepts) and n.get("commit", 0) == len(accepts) - 1
+    assert n["draft"] == n["verify"] == n["accept"] == n["commit"] == len(accepts)
     assert set(stats.phase_ms()) == set(n) and min(stats.phase_ms().values()) >= 0
 
 
@@ -315,7 +315,7 @@ def test_greedy_shipped_head(spec, n_prompts, shipped_head, default_model, defau
 
 # ---------------------------------------------------------------- sampling losslessness
 class VerifierLog:
-    """Wraps a verifier (generate.accept_sampling or a variant) and counts what its cycles did."""
+    """Wraps a verifier (engine.accept_sampling or a variant) and counts what its cycles did."""
 
     def __init__(self, verifier):
         self.verifier = verifier
@@ -335,7 +335,7 @@ class VerifierLog:
 
 
 def accept_sampling_without_residual(node_tokens, logits, children, sampling, draft_probs=None, lookup_from=None):
-    """A broken verifier: like generate.accept_sampling, but a rejection never zeroes and renormalises p,
+    """A broken verifier: like engine.accept_sampling, but a rejection never zeroes and renormalises p,
     so later siblings are accepted with their original probability and the bonus after rejections is
     drawn from the unmodified target distribution instead of the residual."""
     probs = sampling.probs(logits).cpu()
@@ -438,7 +438,7 @@ def verifier_pvalue(verifier, sampling, draws=UNIT_DRAWS, seed=0):
 @pytest.mark.parametrize("config", list(SAMPLING_CONFIGS))
 def test_verifier_emits_target_distribution(config):
     _, sampling = SAMPLING_CONFIGS[config]
-    p, counts = verifier_pvalue(generate.accept_sampling, sampling)
+    p, counts = verifier_pvalue(engine.accept_sampling, sampling)
     assert p > P_PASS, f"{config}: G-test p = {p:.2e}, {dict(counts)}"
     assert min(counts["accepted"], counts["sibling_rejected"], counts["children_rejected"]) > 0.3 * UNIT_DRAWS
 
@@ -513,7 +513,7 @@ def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu"):
     head = copycat_head(model)
     law = first_tokens_law(model, E2E_PROMPT, sampling)
     log = VerifierLog(verifier)
-    monkeypatch.setattr(generate, "accept_sampling", log)
+    monkeypatch.setattr(engine, "accept_sampling", log)
     session = Session(model, len(E2E_PROMPT) + 3, head, parse_tree(spec).to(device))
     torch.manual_seed(seed)
     observed, accepts = collections.Counter(), collections.Counter()
@@ -527,7 +527,7 @@ def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu"):
 @pytest.mark.device
 @pytest.mark.parametrize("config", E2E_CONFIGS)
 def test_sampling_is_lossless(config, monkeypatch, device):
-    p, counts, accepts = sampling_e2e(config, generate.accept_sampling, monkeypatch, device=device)
+    p, counts, accepts = sampling_e2e(config, engine.accept_sampling, monkeypatch, device=device)
     assert p > P_PASS, f"{config}: G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
     # static trees draw their drafts from the head's q; the dynamic tree keeps its best-scored tokens
     assert counts["sampled_drafts"] == (0 if "dynamic" in config else counts["cycles"])
@@ -567,7 +567,7 @@ SAMPLED_CHAIN = "t0.9-topp0.95-chain"
 
 
 def test_sampled_chain_is_lossless(monkeypatch):
-    p, counts, accepts = sampling_e2e(SAMPLED_CHAIN, generate.accept_sampling, monkeypatch)
+    p, counts, accepts = sampling_e2e(SAMPLED_CHAIN, engine.accept_sampling, monkeypatch)
     assert p > P_PASS, f"G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
     assert counts["sampled_drafts"] == counts["cycles"]  # at temperature > 0 a chain's drafts are drawn from q
     assert counts["accepted"] > 0.5 * counts["cycles"]
@@ -583,7 +583,7 @@ def test_sampled_chain_with_a_broken_residual_fails(monkeypatch):
 
 def test_sampled_lookup_branch_is_lossless(monkeypatch):
     """A context branch (one-hot proposals tried after the head's drawn children) keeps the law."""
-    p, counts, accepts = sampling_e2e("t1-lookup", generate.accept_sampling, monkeypatch)
+    p, counts, accepts = sampling_e2e("t1-lookup", engine.accept_sampling, monkeypatch)
     assert p > P_PASS, f"G-test p = {p:.2e}; verifier {dict(counts)}; accept lengths {dict(accepts)}"
     assert counts["lookup_accepted"] > 0.01 * counts["cycles"]  # after the head's draw was rejected (2.5%)
 
@@ -594,7 +594,7 @@ def accept_lookup_as_drawn(node_tokens, logits, children, sampling, draft_probs=
     return ACCEPT_SAMPLING(node_tokens, logits, children, sampling, draft_probs, None)
 
 
-ACCEPT_SAMPLING = generate.accept_sampling  # the real one (the tests patch generate's)
+ACCEPT_SAMPLING = engine.accept_sampling  # the real one (the tests patch it)
 
 
 def test_sampled_lookup_branch_with_a_broken_verifier_fails(monkeypatch):
@@ -605,21 +605,21 @@ def test_sampled_lookup_branch_with_a_broken_verifier_fails(monkeypatch):
 def test_greedy_drafts_are_not_sampled(monkeypatch):
     """At temperature 0 nothing is drawn from q: a static tree holds the head's top-ranked tokens."""
     model = tiny_target(vocab_size=E2E_VOCAB, n_layer=1, out_scale=2.0)
-    seen, real = [], Tree.draft
+    seen, real = [], engine.Engine._draft
 
-    def spy(tree, session, root_token, root, sampling):
-        draft = real(tree, session, root_token, root, sampling)
-        seen.append((sampling, draft))
+    def spy(self, rows, bases, root, groups):
+        draft = real(self, rows, bases, root, groups)
+        seen.append(([r.sampling for r in rows], draft))
         return draft
 
     def no_draw(*args):
         raise AssertionError("a greedy draft drew from q")
 
-    monkeypatch.setattr(Tree, "draft", spy)
+    monkeypatch.setattr(engine.Engine, "_draft", spy)
     monkeypatch.setattr(Sampling, "probs", no_draw)
     monkeypatch.setattr(Sampling, "draw", no_draw)
     out, _ = Session(model, 16, copycat_head(model), parse_tree("chain-3")).generate(E2E_PROMPT, 8, Sampling())
-    assert seen and all(s.greedy and d.draft_probs is None for s, d in seen) and len(out) == 8
+    assert seen and all(all(s.greedy for s in ss) and d.draft_probs is None for ss, d in seen) and len(out) == 8
 
 
 # ---------------------------------------------------------------- compiled steps
@@ -871,7 +871,7 @@ CLI_ERRORS = {  # argv; {files} is the cli_files folder
     "batch size 0": ["--batch_size", "0"],
     "missing prompt file": ["--prompt_file", "{files}/no-prompts.txt"],
     "empty prompt file": ["--prompt_file", "{files}/model_int4.g32.pth"],
-    "batch with a compiled prefill": ["--batch_size", "2", "--compile_prefill"],
+    "batch in a chat": ["--batch_size", "2", "--chat"],
 }
 
 

@@ -211,7 +211,7 @@ def test_generation_pairs_feature_with_next_token(mode):
         assert seen["next"][0].tolist() == prompt[1:] + [out[0]]
     else:
         assert seen["next"][0].tolist() == prompt
-    root, depth1 = seen["verify"][0][:2].tolist()  # the chain's nodes: root, then its depth-1 draft
+    root, depth1 = seen["verify"][0][0, :2].tolist()  # the chain's nodes: root, then its depth-1 draft
     assert seen["draft"][0].tolist() == [[depth1 if mode == "shifted" else root]]
 
 

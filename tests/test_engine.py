@@ -255,10 +255,12 @@ def test_each_compiled_engine_has_graphs_of_its_own():
     steps get code objects of their own, so a process of many engines (the peer benchmark: three precisions at
     four batch sizes) never reaches that limit (it did: FailOnRecompileLimitHit at the ninth)."""
     model = tiny_target()
-    codes = [[step._torchdynamo_orig_callable.__code__ for step in (e.decode, e.verify, e.draft_step, e.update)]
-             for e in (Engine(model, 64, n, compile=True) for n in (1, 2, 2))]
-    assert len({id(c) for steps in codes for c in steps}) == 12
-    assert codes[0][0].co_name.startswith("decode_rows_engine")
+    engines = [Engine(model, 64, n, compile=True) for n in (1, 2, 2)]
+    engines.append(Engine(model, 64, 2, steps=engines[2].steps))  # given a Steps: its graphs are shared
+    codes = [[step._torchdynamo_orig_callable.__code__ for step in (e.steps.decode, e.steps.verify, e.steps.draft,
+                                                                     e.steps.head_update)] for e in engines]
+    assert len({id(c) for steps in codes for c in steps}) == 12 and codes[3] == codes[2]
+    assert codes[0][0].co_name.startswith("decode_rows_steps")
 
 
 @pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12"])
@@ -274,7 +276,8 @@ def test_steps_run_only_the_rows_up_to_the_last_busy_one(spec):
     budgets = [24, 12, 3]
     eng = Engine(model, max(map(len, prompts)) + n, 4, head, None if spec is None else parse_tree(spec))
     sizes, expected = [], []
-    step = eng.decode if spec is None else eng.verify
+    eng.steps = engine.Steps()  # its own (not the shared engine.EAGER), to spy on
+    step = eng.steps.decode if spec is None else eng.steps.verify
 
     def spy(model_, tokens, *rest):  # the rows a step ran, and the bucket holding the last busy row then
         last = max(b for b, r in enumerate(eng.rows) if r is not None and not r.done)
@@ -282,9 +285,9 @@ def test_steps_run_only_the_rows_up_to_the_last_busy_one(spec):
         expected.append(next(n for n in (1, 2, 4) if n > last))
         return step(model_, tokens, *rest)
     if spec is None:
-        eng.decode = spy
+        eng.steps.decode = spy
     else:
-        eng.verify = spy
+        eng.steps.verify = spy
     assert eng.generate(prompts[:1], n, Sampling())[0] == ref[:1]
     assert set(sizes) == {1}
     sizes.clear()
@@ -294,3 +297,63 @@ def test_steps_run_only_the_rows_up_to_the_last_busy_one(spec):
         eng.step()
     assert [r.out for r in requests] == [o[:b] for o, b in zip(ref, budgets)]
     assert sizes == expected and sizes[0] == 4 and min(sizes) < 4  # row 2 ends first
+
+
+@pytest.mark.parametrize("spec", [None, "paper", "dynamic-4-4-12", "chain-1+lookup-4"])
+def test_a_follow_up_prefills_only_what_is_new(spec):
+    """A finished request's row keeps its tokens: the next turn of its conversation (its prompt and answer, then
+    more) takes that row, beside other rows, and prefills only the new tokens and the answer's last; its answer is
+    a fresh single Session's. After forget() (Session.reset) it prefills the whole prompt again."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    tree = None if spec is None else parse_tree(spec)
+    first, other, later = tiny_prompts(3, model.config.vocab_size, seed=21)
+    n = 10
+    eng = Engine(model, 64, 3, head, tree)
+    prefilled = []
+    real = eng.steps.prefill
+
+    def spy(model_, tokens, *rest):
+        prefilled.append(tokens.shape[1])
+        return real(model_, tokens, *rest)
+
+    eng.steps = engine.Steps()
+    eng.steps.prefill = spy
+    a = eng.add(first, n)
+    eng.add(other, n)
+    while eng.pending():
+        eng.step()
+    follow_up = first + a.out + [5, 9, 2]
+    c = eng.add(follow_up, n)
+    b = eng.add(later, n)  # a newcomer: the lowest free row
+    eng.step()
+    assert eng.rows.index(c) == 0 and eng.rows.index(b) == 1
+    while eng.pending():
+        eng.step()
+    held = len(first) + len(a.out) - 1  # the last answer token: not in the target's cache (vanilla), or its head
+    assert prefilled[-2] == len(follow_up) - held  # pair needs the token after it (EAGLE)
+    assert c.out == session_outputs(model, head, spec, [follow_up], n, frozenset())[0][0]
+    session = Session(model, 64, head, tree)
+    session.generate(first, n, Sampling())
+    out, _ = session.generate(follow_up, n, Sampling())
+    assert out == c.out
+    session.engine.steps = eng.steps
+    session.reset()
+    assert session.generate(follow_up, n, Sampling())[0] == c.out and prefilled[-1] == len(follow_up)
+
+
+@pytest.mark.parametrize("spec", [None, "paper"])
+def test_compiled_prefill_at_every_row(spec):
+    """Prefills compiled with dynamic shapes (generate.py --compile_prefill) fill any row of a batch: the outputs
+    are the eager ones. The aot_eager backend: dynamo's tracing without inductor's C++ build."""
+    model = tiny_target()
+    head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
+    tree = None if spec is None else parse_tree(spec)
+    prompts, n = tiny_prompts(5, model.config.vocab_size, seed=9), 8
+    ref = Engine(model, 40, 2, head, tree).generate(prompts, n, Sampling())[0]
+    torch._dynamo.reset()
+    try:
+        steps = engine.Steps.compiled("cpu", prefill_too=True, backend="aot_eager")
+        assert Engine(model, 40, 2, head, tree, steps=steps).generate(prompts, n, Sampling())[0] == ref
+    finally:
+        torch._dynamo.reset()

@@ -498,11 +498,11 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
 
 def test_sampled_acceptance_matches_the_sampling_verifier():
     """train_eagle.sampled_acceptance (acceptance.json's temperature-1 model) gives each child's chance of being
-    the one generate.accept_sampling accepts, measured by running that verifier on k children drawn without
+    the one engine.accept_sampling accepts, measured by running that verifier on k children drawn without
     replacement from q; exact for the first child, close with part of the vocabulary lumped into one token."""
     import torch
 
-    from generate import Sampling, accept_sampling
+    from engine import Sampling, accept_sampling
     from scripts.train_eagle import sampled_acceptance
 
     torch.manual_seed(0)
