@@ -295,6 +295,8 @@ class Request:
     accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
     context: ContextLookup = field(default_factory=ContextLookup)
     first_token_at: Optional[float] = None  # time.perf_counter() when its prefill gave the first token
+    head_len: int = 0  # EAGLE: positions whose pairs (f_i, t_{i+1}) the head's cache holds
+    unread: list = field(default_factory=list)  # features [dim] of plain steps the head has not read yet
 
     def __post_init__(self):
         self.prompt_len = len(self.tokens)
@@ -443,6 +445,82 @@ def by_sampling(rows: list) -> dict:
     return groups
 
 
+class Adaptation:
+    """Whether an EAGLE engine's next step speculates (a cycle) or decodes plainly, from what its steps have cost
+    and committed so far, so that EAGLE is never the slower choice for long: moving averages (EMA) of a plain
+    step's and a cycle's wall time, per row bucket, and of the tokens a cycle commits per row (tau; prior: the
+    head's acceptance model's, where --tree auto had one). It speculates while tau / t_cycle beats 1 / t_step;
+    after MIN_RUN cycles below that by the margin it decodes plainly, probing with PROBE cycles after `wait`
+    plain steps, the wait doubling while probes lose (up to MAX_WAIT), so that text where speculation pays again
+    is found. The choice reads only the past, so either way every token is the target's (greedy: vanilla's;
+    sampling: its law)."""
+    MARGIN = 0.03
+    ALPHA = 0.1  # weight of the newest measurement in a moving average (one cycle's tau is a noisy 1..depth+1)
+    MIN_RUN, PROBE = 8, 4  # cycles before a switch to plain steps; cycles of a probe
+    FIRST_WAIT, MAX_WAIT = 8, 128
+
+    def __init__(self, prior_tau: Optional[float] = None):
+        self.prior_tau = prior_tau
+        self.reset()
+
+    def reset(self):
+        """Forget every measurement (after a warm-up, whose steps' times include their compiles)."""
+        self.t_step: dict = {}  # bucket -> seconds of a plain step (priced from the second on)
+        self.t_cycle: dict = {}  # bucket -> seconds of a cycle
+        self.seen: dict = {}  # (cycle, bucket) -> steps recorded (the first of each is not timed: a cold start)
+        self.switches = 0
+        self.new_text()
+
+    def new_text(self):
+        """A new sequence (Session.reset): the acceptance seen so far was another text's; the costs stay."""
+        self.tau, self.speculating, self.run = self.prior_tau, True, 0
+        self.wait, self.waited, self.probing = self.FIRST_WAIT, 0, 0
+
+    def speculate(self, bucket: int) -> bool:
+        """The choice for the next step of `bucket` rows (plain steps first, to price one)."""
+        if bucket not in self.t_step:
+            return False
+        if self.speculating or self.probing or bucket not in self.t_cycle or self.tau is None:
+            return True
+        self.waited += 1
+        if self.waited > self.wait:
+            self.probing = self.PROBE
+        return bool(self.probing)
+
+    def gain(self, bucket: int) -> Optional[float]:
+        """Speculation's expected speed over plain steps at this bucket (None: not priced yet)."""
+        if self.tau is None or bucket not in self.t_cycle or bucket not in self.t_step:
+            return None
+        return self.tau / self.t_cycle[bucket] * self.t_step[bucket]
+
+    def record(self, bucket: int, cycle: bool, seconds: float, tau: Optional[float] = None):
+        """A step's wall time (and a cycle's tokens per row), and the switch it calls for. The first step of each
+        kind and bucket is not timed (its first run allocates, and eager kernels warm up: 2x slower here)."""
+        ema = lambda old, new: new if old is None else old + self.ALPHA * (new - old)  # noqa: E731
+        self.seen[cycle, bucket] = self.seen.get((cycle, bucket), 0) + 1
+        if cycle and tau is not None:
+            self.tau = ema(self.tau, tau)
+        if self.seen[cycle, bucket] > 1:
+            times = self.t_cycle if cycle else self.t_step
+            times[bucket] = ema(times.get(bucket), seconds)
+        if not cycle:
+            return
+        gain = self.gain(bucket)
+        if self.speculating:
+            self.run += 1
+            if gain is not None and self.run >= self.MIN_RUN and gain < 1 - self.MARGIN:
+                self.speculating, self.waited, self.switches = False, 0, self.switches + 1
+        elif self.probing:
+            self.probing -= 1
+            if not self.probing:  # the probe's verdict
+                self.waited = 0
+                if gain is not None and gain > 1 + self.MARGIN:
+                    self.speculating, self.run, self.wait = True, 0, self.FIRST_WAIT
+                    self.switches += 1
+                else:
+                    self.wait = min(2 * self.wait, self.MAX_WAIT)
+
+
 CACHE_USERS = weakref.WeakKeyDictionary()  # a model or head -> the engine that last wrote its caches (a weakref)
 
 
@@ -455,10 +533,12 @@ class Engine:
 
     def __init__(self, model: Transformer, max_seq_len: int, max_rows: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, compile: bool = False,
-                 inductor_config: Optional[dict] = None, steps: Optional[Steps] = None):
+                 inductor_config: Optional[dict] = None, steps: Optional[Steps] = None,
+                 adapt: Optional[Adaptation] = None):
         """steps: the model steps (engines may share a Steps and its compiled graphs); else compile: a Steps of
         this engine's own, compiled with inductor_config (tuning.COMPILE_KINDS: None for the default kind, or
-        frozen weights, or frozen and autotuned), or eager."""
+        frozen weights, or frozen and autotuned), or eager. adapt (EAGLE): an Adaptation that chooses, step by
+        step, between a cycle and a plain decode step; None: every step a cycle."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
@@ -480,9 +560,10 @@ class Engine:
         self.rows: list = [None] * max_rows  # the request each batch row holds (None: never used yet)
         self.root: Optional[HeadPrediction] = None  # EAGLE: the head's prediction after each row's last token
         self.added = 0
+        self.adapt = adapt if head is not None else None
         # counters over the engine's life (Session.generate reports a call's share): forwards after the prefills,
         # head forwards (prefills included), seconds and runs per phase of the steps
-        self.target_forwards = self.head_forwards = 0
+        self.target_forwards = self.head_forwards = self.plain_steps = 0  # plain_steps: an EAGLE engine's
         self.phase_s: dict = {}
         self.phase_n: dict = {}
         self.views: dict = {}  # bucket -> (the full caches, their first rows): see first_rows
@@ -574,8 +655,24 @@ class Engine:
         if self.running:
             n = self.live_rows()
             with self.first_rows(n):  # rows past the last busy one sit the step out
-                (self._vanilla_step if self.head is None else self._eagle_cycle)(self.rows[:n], events)
+                if self.head is None:
+                    self._vanilla_step(self.rows[:n], events)
+                elif self.adapt is None:
+                    self._eagle_cycle(self.rows[:n], events)
+                else:
+                    self._adaptive_step(n, events)
         return list(events.items())
+
+    def _adaptive_step(self, n: int, events: dict):
+        """A cycle or a plain step, as the adaptation chooses; its wall time (and tokens per row) recorded."""
+        rows = self.rows[:n]
+        cycle = self.adapt.speculate(n)
+        running = [r for r in rows if not r.done]
+        start = time.perf_counter()
+        (self._eagle_cycle if cycle else self._vanilla_step)(rows, events)
+        seconds = time.perf_counter() - start
+        tau = sum(r.accept_lengths[-1] + 1 for r in running) / len(running) if cycle else None
+        self.adapt.record(n, cycle, seconds, tau)
 
     @contextmanager
     def first_rows(self, n: int):
@@ -612,6 +709,8 @@ class Engine:
             for s in samplings:
                 self.generate([prompt] * n, max_new_tokens, s or Sampling())
         self.forget()
+        if self.adapt is not None:  # the warm-up's step times include their compiles
+            self.adapt.reset()
 
     @torch.no_grad()
     def generate(self, prompts: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset()):
@@ -637,7 +736,8 @@ class Engine:
             return 0
         tokens = row.tokens[: row.length + (self.head is not None)]  # a head pair i needs token i + 1 too
         same = next((i for i, (a, c) in enumerate(zip(tokens, prompt)) if a != c), min(len(tokens), len(prompt)))
-        return max(0, min(same - (self.head is not None), row.length, len(prompt) - 1))
+        ready = row.length if self.head is None else min(row.length, row.head_len)  # plain steps: the head's less
+        return max(0, min(same - (self.head is not None), ready, len(prompt) - 1))
 
     def _admit(self, events: dict):
         """Each queued request, in order, takes the free row that holds most of its prompt (the lowest of equals),
@@ -691,6 +791,7 @@ class Engine:
             if self.head is None:
                 return None
             self.head_forwards += 1
+            row.head_len = T
             paired = self.head.pair_tokens(row.tokens[held + 1:], row.tokens[held:T])
             return self.steps.head_prefill(self.model, self.head, rows_tensor([paired], self.device), features, pos,
                                            causal_mask(pos, self.span(T, head=True)),
@@ -703,8 +804,16 @@ class Engine:
             pos = rows_tensor([[r.length] for r in rows], self.device)  # [B, 1]
             mask = self.live(causal_mask(pos, self.span(int(pos.max()) + 1))[:, None])  # [B, 1, 1, S]
             groups = by_sampling(rows)
-            out = self.steps.decode(self.model, rows_tensor([[r.tokens[-1]] for r in rows], self.device), pos, mask,
-                                    not groups)
+            tokens = rows_tensor([[r.tokens[-1]] for r in rows], self.device)
+            if self.head is None:
+                out = self.steps.decode(self.model, tokens, pos, mask, not groups)
+            else:  # an EAGLE engine decoding plainly keeps each row's feature for its head (see _reprime)
+                out, features = self.steps.verify(self.model, tokens, pos, pos, mask, not groups)
+                out = out[:, 0]
+                self.plain_steps += 1
+                for r, f in zip(rows, features[:, 0]):
+                    if not r.done:
+                        r.unread.append(f)
             self.target_forwards += 1
         with self.phase("sample"):
             nxt = out if not groups else argmax_tokens(out)
@@ -721,6 +830,8 @@ class Engine:
     # ---------------------------------------------------------------- EAGLE
     def _eagle_cycle(self, rows: list, events: dict):
         n = len(rows)
+        if any(r.unread for r in rows):
+            self._reprime(rows)
         root = HeadPrediction(*(t[:n] for t in self.root))
         bases = rows_tensor([r.length for r in rows], self.device)  # each row's root slot
         groups = by_sampling(rows)
@@ -748,7 +859,31 @@ class Engine:
             if not r.done:
                 r.tokens += tokens_b
                 r.length += len(path)
+                r.head_len = r.length
                 events[r] = events.get(r, []) + r.emit(tokens_b)
+
+    def _reprime(self, rows: list):
+        """Before a cycle that follows plain steps: the head reads the pairs (f_i, t_{i+1}) of each row's plain
+        steps in one forward (padded to the longest; a row without any writes scratch slots only), and its
+        prediction after a row's last token becomes that row's root."""
+        m = max(len(r.unread) for r in rows)
+        starts = [r.length - len(r.unread) for r in rows]
+        pos = rows_tensor([[s + j for j in range(m)] for s in starts], self.device)  # [B, m]
+        pad = torch.zeros_like(next(r.unread[0] for r in rows if r.unread))
+        feats = torch.stack([torch.stack(r.unread + [pad] * (m - len(r.unread))) for r in rows])
+        nxt = rows_tensor([(r.tokens[s + 1: r.length + 1] + [0] * m)[:m] for r, s in zip(rows, starts)], self.device)
+        own = rows_tensor([(r.tokens[s: r.length] + [0] * m)[:m] for r, s in zip(rows, starts)], self.device)
+        mask = causal_mask(pos, self.span(int(pos.max()) + 1, head=True))[:, None]
+        last = rows_tensor([max(len(r.unread) - 1, 0) for r in rows], self.device)
+        with self.phase("reprime"):
+            pred = self.steps.head_prefill(self.model, self.head, self.head.pair_tokens(nxt, own), feats, pos, mask,
+                                           last, self.tree.max_rank + 1)
+        self.head_forwards += 1
+        for b, r in enumerate(rows):
+            if r.unread:
+                for full, part in zip(self.root, pred):
+                    full[b] = part[b]
+                r.unread, r.head_len = [], r.length
 
     def _draft(self, rows: list, bases: Tensor, root, groups: dict):
         """Step 1 with a static tree (EAGLE-1), every row at once: one head forward per level on all its nodes (a
@@ -883,6 +1018,7 @@ class Stats:
     target_forwards: int = 0  # decode / verify forwards after the prefill
     head_forwards: int = 0
     accept_lengths: list = field(default_factory=list)  # draft tokens accepted per EAGLE cycle
+    plain_steps: int = 0  # EAGLE with adaptation: steps decoded plainly
     phase_s: dict = field(default_factory=dict)  # seconds spent per phase of the decode steps / EAGLE cycles
     phase_n: dict = field(default_factory=dict)  # times each phase ran
 
@@ -910,13 +1046,18 @@ class Session:
     extends the tokens of the last call (the next chat turn) prefills only what is new; reset() forgets them."""
 
     def __init__(self, model: Transformer, max_seq_len: int, head: Optional[EagleHead] = None,
-                 tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None):
-        self.engine = Engine(model, max_seq_len, 1, head, tree, steps=steps)
+                 tree: Optional["Tree | DynamicTree"] = None, steps: Optional[Steps] = None,
+                 adapt: Optional[Adaptation] = None):
+        self.engine = Engine(model, max_seq_len, 1, head, tree, steps=steps, adapt=adapt)
         self.model, self.head, self.tree, self.max_seq_len = model, head, self.engine.tree, max_seq_len
 
-    def reset(self):
-        """Forget the cached conversation: the next generate prefills its whole prompt."""
+    def reset(self, measurements: bool = False):
+        """Forget the cached conversation: the next generate prefills its whole prompt (and the adaptation starts
+        from its prior acceptance). measurements: the adaptation's step times too (after a warm-up, whose steps'
+        times include their compiles)."""
         self.engine.forget()
+        if self.engine.adapt is not None:
+            (self.engine.adapt.reset if measurements else self.engine.adapt.new_text)()
 
     @torch.no_grad()
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
@@ -925,7 +1066,7 @@ class Session:
         on_tokens(list) is called with each batch of committed tokens (for streaming)."""
         e = self.engine
         e.setup_caches()
-        before = (e.target_forwards, e.head_forwards, dict(e.phase_s), dict(e.phase_n))
+        before = (e.target_forwards, e.head_forwards, dict(e.phase_s), dict(e.phase_n), e.plain_steps)
         start = time.perf_counter()
         request = e.add(prompt, max_new_tokens, sampling, stop_ids)
         while not request.done:
@@ -935,6 +1076,6 @@ class Session:
         phases = {name: e.phase_n[name] - before[3].get(name, 0) for name in e.phase_n}
         return request.out, Stats(
             len(request.out), request.first_token_at - start, time.perf_counter() - start,
-            e.target_forwards - before[0], e.head_forwards - before[1], request.accept_lengths,
+            e.target_forwards - before[0], e.head_forwards - before[1], request.accept_lengths, e.plain_steps - before[4],
             {name: e.phase_s[name] - before[2].get(name, 0.0) for name in phases if phases[name]},
             {name: n for name, n in phases.items() if n})

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from eagle_head import EagleHead, load_head
-from engine import EAGER, Engine, Sampling, Session, Stats, Steps, UsageError
+from engine import EAGER, Adaptation, Engine, Sampling, Session, Stats, Steps, UsageError
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer
 from tree import parse_tree
 from tuning import (AUTOTUNE_CHOICES, COMPILE_KINDS, PRECISIONS, START_WINDOW_S, ThreadGovernor, auto_tree_choice,
@@ -36,6 +36,7 @@ def load(args):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but this machine has no CUDA device; use --device cpu")
     auto = args.tree == "auto"
+    args.prior_tau = None  # --tree auto's predicted tokens per cycle: the adaptation's prior
     tree = parse_tree(args.tree) if args.eagle and not auto else None  # a bad spec fails before any loading
     checkpoint = args.checkpoint or ensure_default_model()
     if checkpoint.is_dir():
@@ -82,9 +83,16 @@ def load(args):
                       file=sys.stderr)
                 return model, tokenizer, None, None
             tree = parse_tree(best.spec if best else "chain-1")
+            args.prior_tau = best.tau if best else None
         tree = tree.to(args.device)
     return model, tokenizer, head, tree
 
+
+
+def adaptation_for(args, head) -> Optional[Adaptation]:
+    """--tree auto with EAGLE: an Adaptation (engine.py) that decodes plainly while cycles run slower here; a tree
+    named with --tree runs EAGLE at every step."""
+    return Adaptation(args.prior_tau) if head is not None and args.tree == "auto" else None
 
 
 def print_stats(stats: Stats, tree, label: str = ""):
@@ -94,6 +102,9 @@ def print_stats(stats: Stats, tree, label: str = ""):
         by_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth(tree.max_depth))
         line += (f"\n  tau {stats.tau:.2f} tokens/forward, acceptance by depth [{by_depth}], "
                  f"{stats.target_forwards} target + {stats.head_forwards} head forwards")
+    if tree is not None and stats.plain_steps:
+        line += (f"\n  {stats.plain_steps} of {stats.target_forwards} steps decoded plainly (the adaptation: steps "
+                 "that price plain decoding, and stretches where cycles ran slower; --tree TREE speculates always)")
     if stats.phase_s:
         per = ", ".join(f"{name} {ms:.1f}" for name, ms in stats.phase_ms().items())
         line += f"\n  ms per {'cycle' if tree is not None else 'step'}: {per}"
@@ -144,7 +155,8 @@ def run_batches(model: Transformer, head: Optional[EagleHead], tree, tokenizer, 
     each text, then the throughput and (EAGLE) each sample's tau."""
     jobs = [(i, s) for i in range(len(prompts)) for s in range(args.num_samples)]
     longest = max(map(len, prompts)) + args.max_new_tokens
-    engine = Engine(model, min(args.max_seq_len, longest), args.batch_size, head, tree, steps=steps)
+    engine = Engine(model, min(args.max_seq_len, longest), args.batch_size, head, tree, steps=steps,
+                    adapt=adaptation_for(args, head))
     if steps.is_compiled:
         warm_up(lambda: engine.warm_up(prompts[0], [sampling], 8), governor)
     outs, stats = engine.generate([prompts[i] for i, _ in jobs], args.max_new_tokens, sampling, tokenizer.stop_ids)
@@ -254,11 +266,11 @@ def main(argv=None):
     compiled = args.compile or args.compile_prefill
     steps = Steps.compiled(args.device, args.compile_prefill, COMPILE_KINDS[args.compile_kind]) if compiled else EAGER
     if args.chat:
-        session = Session(model, args.max_seq_len, head, tree, steps)
+        session = Session(model, args.max_seq_len, head, tree, steps, adaptation_for(args, head))
         if compiled:
             warm_up(lambda: session.generate(tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), 8, sampling),
                     governor)
-            session.reset()
+            session.reset(measurements=True)
         return chat(session, tokenizer, args, sampling, governor)
     templated = args.chat_template or (not args.raw and tokenizer.has_own_chat_template)
 
@@ -271,10 +283,11 @@ def main(argv=None):
     if args.batch_size > 1:
         return run_batches(model, head, tree, tokenizer, prompts, args, sampling, steps, governor)
     # a cache no longer than the prompts need: attention reads every cache slot
-    session = Session(model, min(args.max_seq_len, max(map(len, prompts)) + args.max_new_tokens), head, tree, steps)
+    session = Session(model, min(args.max_seq_len, max(map(len, prompts)) + args.max_new_tokens), head, tree, steps,
+                      adaptation_for(args, head))
     if compiled:
         warm_up(lambda: session.generate(prompts[0], 8, sampling), governor)
-        session.reset()
+        session.reset(measurements=True)
     for text, prompt in zip(args.prompt, prompts):
         for i in range(args.num_samples):
             session.reset()  # each sample starts from a fresh prefill, so timings compare

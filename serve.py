@@ -285,7 +285,7 @@ class Worker(threading.Thread):
         args = self.args
         model, self.tokenizer, head, tree = generate.load(args)
         self.engine = Engine(model, args.max_seq_len, args.max_batch, head, tree, compile=args.compile,
-                             inductor_config=COMPILE_KINDS[args.compile_kind])
+                             inductor_config=COMPILE_KINDS[args.compile_kind], adapt=generate.adaptation_for(args, head))
         if tree is not None:
             self.draft_nodes, self.metrics = tree.num_nodes - 1, Metrics(tree.max_depth)
         if args.compile:  # both graphs: greedy rows only, and rows that sample

@@ -89,6 +89,9 @@ class Method:
     num_nodes: Optional[int] = None  # tree nodes verified per cycle, root included
     max_depth: Optional[int] = None
     sampling_tree: Optional[str] = None  # --trees auto at temperature > 0, where it differs (no context branch)
+    prior_tau: Optional[float] = None  # --trees auto: its predicted tau (greedy, sampling), the adaptation's prior
+    sampling_prior_tau: Optional[float] = None
+    adaptive: bool = False  # --trees auto: its sessions adapt (engine.Adaptation), as generate.py --tree auto
 
     @property
     def chain_length(self) -> Optional[int]:
@@ -218,9 +221,9 @@ class OurRunner:
             "target_forwards": stats.target_forwards, "head_forwards": stats.head_forwards,
             "accept_lengths": accept if eagle else None,
             # tokens the decode / verify forwards committed after the prefill's first token
-            "committed": sum(accept) + len(accept) if eagle else stats.target_forwards,
+            "committed": sum(accept) + len(accept) + stats.plain_steps if eagle else stats.target_forwards,
             "tau": stats.tau if eagle else (1.0 if stats.target_forwards else None),
-            "phase_s": stats.phase_s, "phase_n": stats.phase_n,
+            "phase_s": stats.phase_s, "phase_n": stats.phase_n, "plain_steps": stats.plain_steps,
             "tree": (self.method.sampling_tree if sampled else self.method.tree) if eagle else None,
         }
 
@@ -321,9 +324,10 @@ def prompt_key(run: dict) -> tuple:
     return run["dataset"], run["temperature"], run["question_id"], run["turn"]
 
 
-def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
+def summarize(runs: list, methods: list, baseline_arg: Optional[str], measure: str = "tokens_per_s") -> list:
     """One group per (dataset, temperature): baseline, per-method metrics, per-category breakdown.
-    Adds run["speedup"] in place."""
+    Adds run["speedup"] in place: the ratio of `measure` (tokens_per_s, or decode_tokens_per_s: new tokens after
+    the first per second after it, prefill apart) to the baseline's on the same prompt."""
     groups = []
     for dataset, temperature in sorted({(r["dataset"], r["temperature"]) for r in runs}):
         group_runs = [r for r in runs if r["dataset"] == dataset and r["temperature"] == temperature]
@@ -334,10 +338,10 @@ def summarize(runs: list, methods: list, baseline_arg: Optional[str]) -> list:
         else:
             vanilla = [m.name for m in methods if m.kind == "vanilla" and m.name in median_tps]
             baseline = max(vanilla or median_tps, key=median_tps.get)
-        base_tps = {prompt_key(r): r["tokens_per_s"] for r in by_method.get(baseline, [])}
+        base_tps = {prompt_key(r): r.get(measure) for r in by_method.get(baseline, [])}
         for r in group_runs:
             b = base_tps.get(prompt_key(r))
-            r["speedup"] = r["tokens_per_s"] / b if b else None
+            r["speedup"] = r[measure] / b if b and r.get(measure) is not None else None
         summary = {m.name: method_summary(m, by_method[m.name]) for m in methods if by_method[m.name]}
         base_pooled = summary[baseline]["tokens_per_s"]["pooled"] if baseline in summary else None
         for s in summary.values():  # a method's total tokens / total time over the baseline's, same prompts
@@ -418,6 +422,8 @@ def method_summary(m: Method, rs: list) -> dict:
         out["target_forwards"] = sum(r["target_forwards"] for r in rs)
         out["head_forwards"] = sum(r["head_forwards"] for r in rs)
         out["tau"] = sum(r["committed"] for r in rs) / max(1, out["target_forwards"])
+        # the adaptation's plain steps (--trees auto), a share of the target forwards
+        out["plain_share"] = sum(r.get("plain_steps") or 0 for r in rs) / max(1, out["target_forwards"])
     if m.kind == "eagle":
         accept = [a for r in rs for a in r["accept_lengths"]]
         out.update({k: v for k, v in acceptance_summary(accept, m.max_depth).items() if k != "cycles"})
@@ -450,7 +456,10 @@ def markdown(result: dict, plot_names: list) -> str:
              f"temperatures {meta['temperatures']}, wall time {meta['wall_s'] / 60:.1f} min",
              f"- turn 2 of multi-turn questions is conditioned on the turn-1 answer of `{meta['reference_method']}` "
              "(same prompt for every method); times include the prefill",
-             "- speedup: per-prompt tokens/s over the baseline's on the same prompt; mean / median / p10 / min "
+             ("- speedup: per-prompt decode rate (new tokens after the first per second after it: the prefill, "
+              "reported as time to first token, apart) over the baseline's on the same prompt; "
+              if meta.get("speedup_from") == "decode" else
+              "- speedup: per-prompt tokens/s over the baseline's on the same prompt; ") + "mean / median / p10 / min "
              "of those ratios; pooled = total tokens / total time over the baseline's",
              "- weights + KV MB: the bytes of the method's own target (and head) weights and KV caches, which is "
              "what it needs resident; peak RSS: process high-water mark during the method's runs, all models "
@@ -477,6 +486,10 @@ def markdown(result: dict, plot_names: list) -> str:
                 f"{fmt(meta.get('setup', {}).get(name, {}).get('weights_and_caches_mb'), 0)} | "
                 f"{fmt(s['peak_rss_mb'], 0)} (+{fmt(s['peak_rss_increase_mb'], 0)}) | "
                 f"{fmt(s['wall_s'], 1)} |")
+        plain = {name: s["plain_share"] for name, s in g["methods"].items() if s.get("plain_share")}
+        if plain:
+            lines += ["", "Adaptation (--trees auto): share of the target forwards that were plain decode steps: " +
+                      ", ".join(f"{name} {share:.0%}" for name, share in plain.items())]
         alphas = {name: s["n_alpha"] for name, s in g["methods"].items() if s["n_alpha"]}
         if alphas:
             width = max(len(a) for a in alphas.values())
@@ -607,6 +620,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", type=Path, help="EAGLE head directory (default: the shipped head)")
     p.add_argument("--methods", nargs="+", default=["*"], help="shell patterns of the method names to run")
+    p.add_argument("--speedup", choices=["tokens", "decode"], default="tokens", help="per-prompt speedup from "
+                   "tokens/s (prefill included) or from the decode rate (tokens after the first per second after it, "
+                   "prefill apart: fair where the two outputs differ in length)")
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
                    "(int4f: int4 with the LM head in bf16) "
@@ -684,8 +700,10 @@ def timed_run(runner, prompt: list, max_new_tokens: int, sampling, stop_ids, dev
     rss_before = rss_mb("VmRSS")
     r = runner.run(prompt, max_new_tokens, sampling, stop_ids)
     out = r.pop("out")
+    decode_s = None if r.get("prefill_s") is None else r["time_s"] - r["prefill_s"]
     return out, {"new_tokens": len(out), "stopped": bool(out) and out[-1] in stop_ids,
-                 "tokens_per_s": len(out) / r["time_s"] if r["time_s"] else 0.0, **r,
+                 "tokens_per_s": len(out) / r["time_s"] if r["time_s"] else 0.0,
+                 "decode_tokens_per_s": (len(out) - 1) / decode_s if decode_s and len(out) > 1 else None, **r,
                  "output_sha1": hashlib.sha1(json.dumps(out).encode()).hexdigest()[:16],
                  **peak_memory_mb(device, rss_before)}
 
@@ -820,11 +838,15 @@ def run_benchmark(args, argv):
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
-            if m.tree == "auto":  # the trees generate.py --tree auto takes at this precision, greedy and sampling
-                m.tree = tuning.auto_tree_for(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
+            if m.tree == "auto":  # the trees generate.py --tree auto takes at this precision, greedy and sampling,
+                # with its adaptation (engine.Adaptation: plain steps where cycles run slower)
+                best = tuning.auto_tree_choice(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
+                m.tree, m.prior_tau = (best.spec, best.tau) if best else ("chain-1", None)
+                m.sampling_prior_tau, m.adaptive = m.prior_tau, True
                 if any(t > 0 for t in args.temperatures):
-                    sampled = tuning.auto_tree_for(Path(m.head), targets[m.dtype], device, greedy=False,
-                                                     kind=m.compile_kind)
+                    best = tuning.auto_tree_choice(Path(m.head), targets[m.dtype], device, greedy=False,
+                                                   kind=m.compile_kind)
+                    sampled, m.sampling_prior_tau = (best.spec, best.tau) if best else ("chain-1", None)
                     m.sampling_tree = sampled if sampled != m.tree else None
             for spec in filter(None, (m.tree, m.sampling_tree)):
                 trees[spec] = trees.get(spec) or parse_tree(spec).to(device)
@@ -846,10 +868,12 @@ def run_benchmark(args, argv):
         if m.kind == "vanilla":
             session = generate.Session(targets[m.dtype], max_seq_len, steps=steps)
         elif m.kind == "eagle":
-            session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree], steps)
+            session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.tree], steps,
+                                       generate.Adaptation(m.prior_tau) if m.adaptive else None)
         if m.kind in ("vanilla", "eagle"):
-            sampling_session = generate.Session(targets[m.dtype], max_seq_len, heads[m.head, m.dtype],
-                                                trees[m.sampling_tree], steps) if m.sampling_tree else None
+            sampling_session = generate.Session(
+                targets[m.dtype], max_seq_len, heads[m.head, m.dtype], trees[m.sampling_tree], steps,
+                generate.Adaptation(m.sampling_prior_tau) if m.adaptive else None) if m.sampling_tree else None
             runners[m.name] = OurRunner(m, session, device, sampling_session)
         elif m.kind.startswith("llamacpp"):
             runners[m.name] = LlamaCppRunner(m, max_seq_len, torch.get_num_threads())
@@ -903,6 +927,8 @@ def run_benchmark(args, argv):
             sampling = generate.Sampling(0.0 if greedy else 1.0)
             runners[m.name].run(warm_prompt, min(WARMUP_TOKENS, args.max_new_tokens), sampling, stop_ids)
         setup[m.name]["warmup_s"] = time.perf_counter() - start
+        for session in runners[m.name].sessions() if m.kind in ("vanilla", "eagle") else []:
+            session.reset(measurements=True)  # the adaptation's step times: not the warm-up's compiles
     if left:
         with open(partial, "a") as f:
             f.write(json.dumps({"setup": {m.name: setup[m.name]["warmup_s"] for m in methods},
@@ -956,7 +982,7 @@ def run_benchmark(args, argv):
         print(f"shard {args.shard[0]}/{args.shard[1]} finished its questions ({partial.name}); when every shard has, "
               "run the same command without --shard and with --resume to write the results", file=sys.stderr)
         return None
-    groups = summarize(runs, methods, args.baseline)
+    groups = summarize(runs, methods, args.baseline, "decode_tokens_per_s" if args.speedup == "decode" else "tokens_per_s")
     for g in groups:
         group_runs = [r for r in runs if (r["dataset"], r["temperature"]) == (g["dataset"], g["temperature"])]
         predicted = g["temperature"] in (0, 1)  # where an acceptance model was measured
@@ -972,7 +998,7 @@ def run_benchmark(args, argv):
             "max_new_tokens": args.max_new_tokens, "max_seq_len": max_seq_len,
             "cache_len": {d: cache_len[d] for d in targets},
             "temperatures": args.temperatures, "datasets": {d: sum(i.dataset == d for i in items) for d in datasets},
-            "reference_method": reference.name, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
+            "reference_method": reference.name, "speedup_from": args.speedup, "prompt_format": "chat template; HumanEval: " + HUMANEVAL_REQUEST,
             "methods": [{**asdict(m), "head": m.head and repo_relative(m.head)} for m in methods],
             "setup": setup, "wall_s": time.perf_counter() - started,
             "resumed_prompts": len(done),  # finished by an earlier process of this run or its shards (--resume)

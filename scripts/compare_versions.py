@@ -124,7 +124,7 @@ def main(argv=None):
                    "(tuning.COMPILE_KINDS; the baseline's batches compile by default only)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--core", type=int, default=0, help="the core both workers are pinned to")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="the results folder (required)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", type=Path, default=REPO_ROOT / "checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
     p.add_argument("--head", type=Path, default=REPO_ROOT / "heads/SmolLM2-135M-Instruct-eagle")
@@ -132,6 +132,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.checkpoint, args.head, args.precision, args.max_seq_len, args.kinds)
+    if args.out is None:
+        p.error("--out DIR is required: the folder the comparison is written to")
 
     sys.path.insert(0, str(REPO_ROOT))
     from scripts.bench_common import git_state, load_dataset, machine_info, render, select_questions
@@ -186,7 +188,7 @@ def main(argv=None):
 def summarize(result: dict) -> str:
     m = result["machine"]
     lines = [f"# This checkout ({result['code'].get('commit', '?')[:7]}) against {result['baseline']}", "",
-             f"{m.get('processor', '?')} family {m.get('cpu_family', '?')} ({m.get('isa', '?')}), one thread, both workers on one core; "
+             f"{m.get('processor', '?')} (CPU family {m.get('cpu_family', '?')}, {m.get('isa', '?')}), one thread, both workers on one core; "
              f"{result['args']['precision']}, {len(result['questions'])} MT-bench first turns, "
              f"{result['args']['max_new_tokens']} new tokens at most, greedy.", "",
              "| single sequence | baseline tokens/s | this | ratio | baseline decode tokens/s | this | ratio | same text |",

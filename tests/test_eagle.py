@@ -26,7 +26,7 @@ from eagle_head import Eagle3Head, EagleHead
 from generate import DEFAULT_HEAD, Sampling, Session, UsageError
 from model import ModelArgs, Transformer, causal_mask
 from tokenizer import Tokenizer
-from tree import Tree, parse_tree
+from tree import parse_tree
 import tuning
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -505,7 +505,7 @@ def first_tokens_law(model, prompt, sampling, vocab_size=E2E_VOCAB):
     return {(a, b, c): float(joint[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
 
 
-def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu"):
+def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu", adapt=None):
     """G-test p-value of EAGLE's first three new tokens (one generate call per sample, the session reused
     so the prompt's cache prefix is too), the verifier's counts, and the acceptance lengths."""
     spec, sampling = SAMPLING_CONFIGS[config]
@@ -514,7 +514,7 @@ def sampling_e2e(config, verifier, monkeypatch, seed=0, device="cpu"):
     law = first_tokens_law(model, E2E_PROMPT, sampling)
     log = VerifierLog(verifier)
     monkeypatch.setattr(engine, "accept_sampling", log)
-    session = Session(model, len(E2E_PROMPT) + 3, head, parse_tree(spec).to(device))
+    session = Session(model, len(E2E_PROMPT) + 3, head, parse_tree(spec).to(device), adapt=adapt)
     torch.manual_seed(seed)
     observed, accepts = collections.Counter(), collections.Counter()
     for _ in range(E2E_SAMPLES[config]):

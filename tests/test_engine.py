@@ -2,6 +2,7 @@
 its neighbours sample and whenever requests join, finish or are cancelled, and the sampled rows follow the target's
 law (G-tests, failing with a broken verifier)."""
 import collections
+import random
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from engine import Engine
 from generate import Sampling, Session, UsageError
 from tuning import COMPILE_KINDS
 from test_eagle import (CUSTOM_TREE, E2E_PROMPT, E2E_VOCAB, MAIN_E2E, P_BROKEN, P_PASS, SAMPLING_CONFIGS, VerifierLog,
-                        accept_sampling_without_residual, copycat_head, first_tokens_law, g_test, tiny_prompts,
+                        accept_sampling_without_residual, copycat_head, first_tokens_law, g_test, sampling_e2e, tiny_prompts,
                         tiny_target)
 from tree import parse_tree
 
@@ -357,3 +358,107 @@ def test_compiled_prefill_at_every_row(spec):
         assert Engine(model, 40, 2, head, tree, steps=steps).generate(prompts, n, Sampling())[0] == ref
     finally:
         torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- adaptation (issue 48)
+class Pattern(engine.Adaptation):
+    """A forced switch pattern: speculates as a seeded coin says (or as `choices` list, then the coin)."""
+
+    def __init__(self, seed: int, choices=()):
+        super().__init__()
+        self.rng, self.choices, self.seen = random.Random(seed), list(choices), []
+
+    def speculate(self, bucket):
+        choice = self.choices.pop(0) if self.choices else self.rng.random() < 0.5
+        self.seen.append(choice)
+        return choice
+
+    def record(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("spec", ["chain-4", "paper", "dynamic-4-4-12", "paper+lookup-3"])
+def test_any_switch_pattern_is_lossless(spec):
+    """Greedy EAGLE whose steps switch at random between cycles and plain decode steps (the head re-primed with the
+    plain steps' features before the next cycle) gives vanilla's tokens, in rows of a batch and one sequence at a
+    time, and its cycles still accept drafts."""
+    model = tiny_target()
+    head = copycat_head(model, noise=HEAD_NOISE)
+    prompts, n = tiny_prompts(3, model.config.vocab_size, seed=13), 24
+    ref = session_outputs(model, None, None, prompts, n, frozenset())[0]
+    for seed in range(3):
+        pattern = Pattern(seed)
+        eng = Engine(model, 12 + n + 8, 3, head, parse_tree(spec), adapt=pattern)
+        out, stats = eng.generate(prompts, n, Sampling())
+        assert out == ref
+        assert eng.plain_steps > 0 and sum(pattern.seen) > 0 and max(map(max, stats.accept_lengths)) >= 2
+        session = Session(model, 64, head, parse_tree(spec), adapt=Pattern(seed))
+        for p, r in zip(prompts, ref):
+            out, st = session.generate(p, n, Sampling())
+            assert out == r and st.plain_steps + len(st.accept_lengths) == st.target_forwards
+
+
+@pytest.mark.parametrize("spec", ["paper", "dynamic-4-4-12"])
+def test_reprimed_head_predicts_as_after_a_prefill(spec):
+    """After plain steps the head reads their pairs (f_i, t_{i+1}) in one forward: its prediction then (the next
+    root) is the one a head that prefilled the same tokens makes."""
+    model = tiny_target()
+    head = copycat_head(model, noise=HEAD_NOISE)
+    prompt = tiny_prompts(1, model.config.vocab_size, seed=14)[0]
+    session = Session(model, 64, head, parse_tree(spec), adapt=Pattern(0, [False, True, True] + [False] * 30))
+    session.generate(prompt, 20, Sampling())  # plain, two cycles, then plain steps to the end
+    eng = session.engine
+    row = eng.rows[0]
+    assert len(row.unread) >= 2
+    eng._reprime([row])
+    root = [t[0].clone() for t in eng.root]
+    fresh = Session(model, 64, head, parse_tree(spec))
+    fresh.generate(row.tokens[: row.length], 1, Sampling())  # its first token is row.tokens[length] (greedy)
+    assert fresh.engine.rows[0].tokens[-1] == row.tokens[row.length]
+    assert torch.equal(root[3], fresh.engine.root.top_tokens[0])
+    assert torch.allclose(root[0], fresh.engine.root.hidden[0], atol=1e-5)
+
+
+def test_adaptation_follows_what_steps_cost_and_commit():
+    """Plain steps are priced first (the first step of each kind untimed); cycles go on while tau per cycle time
+    beats a plain step's pace; after MIN_RUN cycles below it by the margin the engine decodes plainly, probing with
+    PROBE cycles after 8, 16, 32 ... plain steps, until a probe's text pays again."""
+    a = engine.Adaptation(prior_tau=2.0)
+    assert not a.speculate(1)
+    a.record(1, False, 0.100)  # a first step is not timed (a cold start)
+    assert not a.speculate(1)
+    a.record(1, False, 0.010)
+    assert a.speculate(1)
+    a.record(1, True, 0.300, 2.0)
+    a.record(1, True, 0.018, 2.0)  # 2 tokens per 18 ms beat 1 per 10 ms
+    assert a.speculating and a.t_cycle[1] == 0.018 and a.t_step[1] == 0.010
+    cycles = 0
+    while a.speculating:
+        a.record(1, True, 0.025, 1.5)  # 1.5 per 25 ms: slower
+        cycles += 1
+    assert a.switches == 1 and cycles == a.MIN_RUN - 2
+
+    def probe(tau):
+        choices = [a.speculate(1) for _ in range(a.wait + 1)]
+        assert choices == [False] * (len(choices) - 1) + [True]
+        for i in range(a.PROBE):
+            assert i == 0 or a.speculate(1)
+            a.record(1, True, 0.025, tau)
+
+    probe(1.5)
+    assert not a.speculating and a.wait == 2 * a.FIRST_WAIT
+    probes = 0
+    while not a.speculating:  # text the drafts match: probes commit 4 tokens a cycle
+        probe(4.0)
+        probes += 1
+    assert a.switches == 2 and probes <= 3 and a.wait == a.FIRST_WAIT
+    a.reset()
+    assert a.tau == 2.0 and not a.t_step and not a.speculate(1)
+
+
+def test_adaptive_sampling_is_lossless(monkeypatch):
+    """The sampling G-test of the first three tokens with steps switched at random between cycles and plain steps
+    (one adaptation across the calls, so the re-primed head and the plain steps' sampling both run)."""
+    p, counts, accepts = sampling_e2e("t1", engine.accept_sampling, monkeypatch, adapt=Pattern(7))
+    assert p > P_PASS, f"G-test p = {p:.2e}, {dict(counts)}"
+    assert sum(accepts.values()) > 0 and counts["accepted"] > 0
