@@ -33,6 +33,10 @@ REFERENCE_PROFILES = REPO_ROOT / "heads" / "SmolLM2-135M-Instruct-eagle" / "cost
 
 
 # ---------------------------------------------------------------- threads on a shared machine
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def read_proc(path: str) -> Optional[str]:
     try:
         return Path(path).read_text()
@@ -470,7 +474,7 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
         from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
 
         batch = f", batch {batch_size}" if batch_size > 1 else ""
-        print(f"tree auto: no cost profile of this machine for {precision} at {torch.get_num_threads()} threads{batch}; "
+        print(f"tree auto: no cost profile of this machine for {precision} at {plural(torch.get_num_threads(), 'thread')}{batch}; "
               f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)
         if head.lm_head is None:
             head.bind(model.output.weight)
@@ -506,7 +510,7 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
         calibrated = calibrated_costs(model, *calibrate_with, batch_size) if calibrate_with and device == "cpu" else None
         if calibrated is None:
             batch = f", batch {batch_size}" if batch_size > 1 else ""
-            why = f"no cost profile of this machine for {precision} at {threads} threads{batch}: {profile_hint(other)}"
+            why = f"no cost profile of this machine for {precision} at {plural(threads, 'thread')}{batch}: {profile_hint(other)}"
             return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
     return CycleCosts.from_profile(costs, precision, batch_size, kind), json.loads(acceptance.read_text()), path
@@ -567,7 +571,7 @@ def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bo
     batch = f", batch {batch_size}" if batch_size > 1 else ""
     slower = "; vanilla decoding is predicted faster" if best.speedup < 1 else ""
     print(f"tree auto: {best.spec} (predicted tau {best.tau:.2f}, {best.speedup:.2f}x over vanilla "
-          f"{precision_of(model)}{f' {kind}' * (kind != 'default')}, {torch.get_num_threads()} threads{batch}{slower}; "
+          f"{precision_of(model)}{f' {kind}' * (kind != 'default')}, {plural(torch.get_num_threads(), 'thread')}{batch}{slower}; "
           f"{profile_source(path)})",
           file=sys.stderr)
     return best

@@ -984,7 +984,7 @@ def test_cli_renders_the_chat_template_by_default(monkeypatch, capsys):
 STATUS_OR_STATS = re.compile(r"(Quantizing model\.pth to int4 \(once\) \.\.\. model_int4\.g32\.pth in \d+ s"
                              r"|Using int4 weights quantized earlier: model_int4\.g32\.pth"
                              r"|\d+ tokens in [\d.]+ s: [\d.]+ tokens/s, time to first token \d+ ms"
-                             r"|tree auto: .*|  tau .*|  ms per (cycle|step): .*)")
+                             r"|tree auto: .*|  tau .*|  \d+ of \d+ steps decoded plainly .*|  ms per (cycle|step): .*)")
 
 
 def test_cli_quantized_run_writes_only_answer_and_statistics(tmp_path, default_checkpoint):
