@@ -2,7 +2,8 @@
 
 - threads: ThreadGovernor, one thread per core other processes leave free (--threads auto);
 - compile kinds: the default, frozen and autotuned inductor settings (COMPILE_KINDS), --autotune's choice;
-- the cost model (CycleCosts, from scripts/profile_costs.py's profiles or a quick calibration) and the acceptance
+- the cost model (CycleCosts, from scripts/profile_costs.py's profiles or a quick calibration timed by
+  costs.py) and the acceptance
   model (the head's acceptance.json) that --tree auto (auto_tree) and --precision auto choose from.
 
 The cycle itself (engine.py, generate.py) never reads a profile: generate.load asks this module once, before the
@@ -17,11 +18,13 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
+import costs
 from eagle_head import EagleHead
 from engine import UsageError
 from model import REPO_ROOT, ModelArgs, Transformer
@@ -384,6 +387,16 @@ def cpu_family(cpuinfo: Optional[str] = None) -> Optional[str]:
     return f"family {family.group(1)} model {model.group(1)}" if family and model else None
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def same_cpu(recorded: Optional[str], machine: Optional[str]) -> bool:
     """Whether a profile measured on the CPU `recorded` ("family F model M", or "family F" where the model was not
     recorded) holds for this machine's `machine` (cpu_family())."""
@@ -458,9 +471,31 @@ def profile_hint(other: Optional[str]) -> str:
             "--checkpoint DIR --eagle_head DIR measures this one")
 
 
+@torch.no_grad()
+def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, batch_size: int = 1) -> dict:
+    """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
+    pieces of a cycle (costs.Pieces) at costs.CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve
+    can choose from), medians of CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run
+    is; with batch_size > 1 the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for
+    int4 here, 4 min compiled (with the cores shared); calibrated_costs caches it. scripts/profile_costs.py's full
+    profile replaces it."""
+    start = time.perf_counter()
+    pieces = costs.Pieces(model, head, mode, f"calibration_{precision}_b{batch_size}",
+                          max(costs.CALIBRATION_ROWS["verify"]), batch_size)
+    measured = costs.piece_costs({precision: pieces}, costs.CALIBRATION_ROWS, costs.CALIBRATION_REPS)[0]
+    return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
+            "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
+            "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
+            "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX, "overhead_ms": costs.OVERHEAD_MS,
+            "decode_overhead_ms": costs.DECODE_OVERHEAD_MS, "precisions": measured if batch_size == 1 else {},
+            "batches": {} if batch_size == 1 else {str(batch_size): measured},
+            "wall_s": round(time.perf_counter() - start, 1)}
+
+
 def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1):
     """(CycleCosts, path) of this machine's quick calibration at the model's precision, this thread count and batch
-    size, run now and cached if missing (scripts/profile_costs.calibrate: seconds eager, minutes compiled, once);
+    size, run now and cached if missing (calibrate: seconds eager, minutes compiled, once);
     None for an EAGLE-3 head, which profile_costs cannot time."""
     from eagle_head import Eagle3Head
 
@@ -471,8 +506,6 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
     path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
     profile = json.loads(path.read_text()) if path.is_file() else {}
     if profile.get("model") != profile_model(model.config) or not CycleCosts.in_profile(profile, precision, batch_size):
-        from scripts.profile_costs import calibrate  # a tool of scripts/, imported only when it runs
-
         batch = f", batch {batch_size}" if batch_size > 1 else ""
         print(f"tree auto: no cost profile of this machine for {precision} at {plural(torch.get_num_threads(), 'thread')}{batch}; "
               f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ not it; wall medians are kept too):
 - draft_ms[m]: a head draft step over m nodes (one tree level) with its draft LM head and top-k;
 - update_ms[r]: the head's update forward over r = depth + 1 committed rows, drafting the next root;
 - move_ms[r]: moving r accepted rows' KV entries in every layer (trees only; a chain's path is in place).
-With --batch_sizes B ..., batches[B][precision] holds the same four for batched.py's cycle of B rows (each
+With --batch_sizes B ..., batches[B][precision] holds the same four for the engine's cycle of B rows (each
 piece over n rows in every batch row, at BATCH_ROWS): what --tree auto reads at --batch_size B.
 The three forwards are compiled once each with the row count marked dynamic (torch._dynamo.mark_dynamic;
 one row is always a graph of its own, as Dynamo specialises size 1): a fixed-shape graph per row count
@@ -38,8 +38,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import random
 import signal
 import statistics
 import sys
@@ -53,184 +51,42 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
-from model import CheckpointError, Transformer, causal_mask  # noqa: E402
-from engine import compile_step, draft_step, update_rows, verify_rows  # noqa: E402
-from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, instruction_set, profile_model  # noqa: E402
+from model import CheckpointError, Transformer  # noqa: E402
+from costs import (BATCH_ROWS, DECODE_OVERHEAD_MS, OVERHEAD_MS, PIECES, PREFIX, ROWS, TOP_K, Pieces,  # noqa: E402
+                   compiled, piece_costs, rows_of, timed_round_robin, verify_greedy)
+from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, cpu_name, instruction_set, profile_model  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
 PRECISIONS = {"fp32": ("model.pth", torch.float32), "bf16": ("model.pth", torch.bfloat16),
               "int8": ("model_int8.pth", None), "int4": ("model_int4.g32.pth", None)}
-ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
-UPDATE_ROWS = list(range(2, 10))  # depth 1..8
-PREFIX = 300
-PIECES = ("verify", "draft", "update", "move")
 AUTOTUNE_MARGIN = 0.05  # a frozen kind is taken where it is at least 5% faster (it costs compile time)
-TOP_K = 4  # draft top-k of a draft step / head update (a tree's max rank + 1; its cost hardly varies)
-
-
-def rows_of(piece: str) -> list:
-    return ROWS if piece in ("verify", "draft") else UPDATE_ROWS
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-# ---------------------------------------------------------------- the cycle's steps: the engine's own
-def verify_greedy(model, tokens, input_pos, mask):
-    """engine.verify_rows, greedy: the target over tokens [B, n] at slots (and rotary positions) input_pos."""
-    return verify_rows(model, tokens, input_pos, input_pos, mask, True)
-
-
-def compiled(fn, tag: str, inductor_config=None):
-    """fn compiled as engine.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value), its
-    graphs its own (engine.own_code: a fixed-shape compile of verify_rows would otherwise reuse the dynamic graph,
-    and four precisions would share one cache)."""
-    return compile_step(fn, inductor_config, tag, fullgraph=True, dynamic=False)
-
-
-def dynamic(*marks):
-    """mark_dynamic (tensor, dims) pairs, except dims of size 1 (Dynamo specialises those)."""
-    for tensor, dims in marks:
-        for d in dims:
-            if tensor.shape[d] > 1:
-                torch._dynamo.mark_dynamic(tensor, d)
-
-
-class Pieces:
-    """One precision's target and head with PREFIX tokens cached in each of batch_size rows, and a callable per
-    piece and row count (at batch_size > 1 each piece runs its rows in every batch row, as batched.py's cycle)."""
-
-    def __init__(self, precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR):
-        name, dtype = PRECISIONS[precision]
-        self.checkpoint = checkpoint_dir / name
-        if dtype is None:  # quantize.py's files
-            from quantize import load_quantized
-            model = load_quantized(self.checkpoint)
-        else:
-            model = Transformer.from_checkpoint(self.checkpoint, dtype=dtype)
-        head = EagleHead.load(head_dir, dtype=model.tok_embeddings.weight.dtype)
-        head.check_fits(model.config, model.config.vocab_size)
-        if getattr(model, "quantization", None) is not None:
-            from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
-            quantize_head_like(head, model)
-        else:
-            head.bind(model.output.weight)
-        self.prepare(model, head, mode, precision, max(ROWS))
-
-    def prepare(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
-        """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled."""
-        self.model, self.head, self.batch_size = model, head, batch_size
-        slots = PREFIX + max_rows + 16
-        self.model.setup_caches(batch_size, slots)
-        self.head.setup_caches(slots, batch_size=batch_size)
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, self.model.config.vocab_size, (1, PREFIX + 1), generator=g).expand(batch_size, -1)
-        pos = torch.arange(PREFIX)
-        _, feats = self.model(prompt[:, :PREFIX], pos, mask=causal_mask(pos, PREFIX))
-        self.head(self.model.tok_embeddings(prompt[:, 1:]), feats, pos, causal_mask(pos, PREFIX))
-        self.feature = feats[:, -1:]
-        self.steps = {"verify": verify_greedy, "draft": draft_step, "update": update_rows}
-        if mode != "eager":
-            self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
-
-    @classmethod
-    def of(cls, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1) -> "Pieces":
-        """Pieces of a target and head already loaded and bound (generate.py's, for a calibration)."""
-        pieces = cls.__new__(cls)
-        pieces.checkpoint = None
-        pieces.prepare(model, head, mode, tag, max_rows, batch_size)
-        return pieces
-
-    def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
-        """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension
-        marked dynamic, or with rows_dynamic False only the cache slots, as generate.py does)."""
-        steps, B = steps or self.steps, self.batch_size
-        pos = torch.arange(PREFIX, PREFIX + rows)
-        tokens = torch.randint(0, min(1000, self.model.config.vocab_size), (B, rows))
-        mask = causal_mask(pos, PREFIX + rows)
-        pos_dims, mask_dims = [0], [0, 1]
-        if B > 1:  # batched.py's shapes: slots [B, n] and masks [B, 1, n, S], each row its own
-            pos, mask = pos.expand(B, -1).contiguous(), mask.expand(B, 1, -1, -1).contiguous()
-            pos_dims, mask_dims = [1], [2, 3]
-        if piece == "verify":
-            dynamic(*([(tokens, [1]), (pos, pos_dims), (mask, mask_dims)] if rows_dynamic else [(mask, mask_dims[-1:])]))
-            return lambda: steps["verify"](self.model, tokens, pos, mask)
-        features = self.feature.expand(B, rows, -1).contiguous()
-        dynamic((tokens, [1]), (pos, pos_dims), (mask, mask_dims), (features, [1]))
-        if piece == "draft":
-            return lambda: steps["draft"](self.model, self.head, tokens, features, pos, pos, mask, TOP_K)
-        if piece == "update":
-            last = torch.full((B,), rows - 1)
-            return lambda: steps["update"](self.model, self.head, tokens, features, pos, mask, last, TOP_K)
-        caches = self.model.kv_caches()  # move: as Session's commit, eager
-        src, dst = pos + rows, pos
-        return lambda: [c.move(src, dst) for c in caches]
-
-
-CALIBRATION_ROWS = {"verify": [1, 2, 3, 4, 6, 8, 12, 16], "draft": [1, 2, 4, 8], "update": [2, 3, 4, 5],
-                    "move": [2, 3, 4, 5]}
-CALIBRATION_REPS = 5
-BATCH_ROWS = CALIBRATION_ROWS  # batched cycles: trees of up to 16 nodes (a larger batch wants a smaller tree)
-# a cycle's and a vanilla step's host work beyond their forwards, measured on AVX-512 BF16 (int4 compiled, one
-# thread: chain-1's phases less its forwards, results/2026-12-01-cycle-overheads); main()'s defaults
-OVERHEAD_MS, DECODE_OVERHEAD_MS = 0.8, 0.25
-
-
-def piece_costs(pieces_by_key: dict, rows_by_piece: dict, reps: int, seed: int = 0):
-    """{key: {piece_ms: {rows: median ms}}} and the wall medians alike, of Pieces timed round-robin (every key,
-    piece and row count in one rotation); each callable is warmed up (compiled) first."""
-    jobs = {}
-    for key, pieces in pieces_by_key.items():
-        for piece, rows in rows_by_piece.items():
-            for n in rows:
-                jobs[key, piece, n] = pieces.call(piece, n)
-                jobs[key, piece, n]()  # compiles (once per piece, and for one row) and warms up
-                jobs[key, piece, n]()
-    medians, wall = timed_round_robin(jobs, reps, seed)
-    return ({key: {f"{piece}_ms": {str(n): medians[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
-             for key in pieces_by_key},
-            {key: {piece: {str(n): wall[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
-             for key in pieces_by_key})
-
-
-@torch.no_grad()
-def calibrate(model, head, precision: str, mode: str, batch_size: int = 1) -> dict:
-    """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
-    pieces at CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve can choose from), medians of
-    CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run is; with batch_size > 1
-    the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for int4 here, 4 min
-    compiled (with the cores shared); generate.py caches it. main()'s full profile replaces it."""
-
-    start = time.perf_counter()
-    pieces = Pieces.of(model, head, mode, f"calibration_{precision}_b{batch_size}", max(CALIBRATION_ROWS["verify"]),
-                       batch_size)
-    costs = piece_costs({precision: pieces}, CALIBRATION_ROWS, CALIBRATION_REPS)[0]
-    return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
-            "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
-            "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
-            "reps": CALIBRATION_REPS, "prefix_len": PREFIX, "overhead_ms": OVERHEAD_MS,
-            "decode_overhead_ms": DECODE_OVERHEAD_MS,
-            "precisions": costs if batch_size == 1 else {}, "batches": {} if batch_size == 1 else {str(batch_size): costs},
-            "wall_s": round(time.perf_counter() - start, 1)}
+def load_pieces(precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR) -> Pieces:
+    """One precision's target (model.pth, or quantize.py's file) and the head, bound as generate.py binds them, as
+    Pieces with all of ROWS."""
+    name, dtype = PRECISIONS[precision]
+    checkpoint = checkpoint_dir / name
+    if dtype is None:  # quantize.py's files
+        from quantize import load_quantized
+        model = load_quantized(checkpoint)
+    else:
+        model = Transformer.from_checkpoint(checkpoint, dtype=dtype)
+    head = EagleHead.load(head_dir, dtype=model.tok_embeddings.weight.dtype)
+    head.check_fits(model.config, model.config.vocab_size)
+    if getattr(model, "quantization", None) is not None:
+        from quantize import quantize_head_like  # as generate.py: binds it; an int4 target's head is int4
+        quantize_head_like(head, model)
+    else:
+        head.bind(model.output.weight)
+    pieces = Pieces(model, head, mode, precision, max(ROWS))
+    pieces.checkpoint = checkpoint
+    return pieces
 
 
 def shown(path: Path) -> str:
     """A path as the profile records it: relative to the repository where it is inside."""
     path = path.resolve()
     return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
-
-
-def median_ms(times: list) -> float:
-    return round(statistics.median(times) * 1000, 4)
 
 
 @contextlib.contextmanager
@@ -288,22 +144,6 @@ def autotune_table(pieces: dict, rows: list, reps: int, timing=contextlib.nullco
     return table
 
 
-def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
-    """jobs: {name: callable}; each rep runs every job once in a fresh random order. Median ms per job of
-    this thread's CPU time (what the call costs on an idle core: a busy machine's other processes stretch
-    wall time, not it) and of wall time."""
-    cpu, wall = {name: [] for name in jobs}, {name: [] for name in jobs}
-    names, rng = list(jobs), random.Random(seed)
-    for _ in range(reps):
-        rng.shuffle(names)
-        for name in names:
-            start_cpu, start = time.thread_time(), time.perf_counter()
-            jobs[name]()
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.thread_time() - start_cpu)
-    return {name: median_ms(t) for name, t in cpu.items()}, {name: median_ms(t) for name, t in wall.items()}
-
-
 def plot(profile: dict, path: Path):
     import matplotlib
     matplotlib.use("Agg")
@@ -351,7 +191,7 @@ def main(argv=None):
                    help="host work of a vanilla step beyond its forward")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch_sizes", type=int, nargs="*", default=[], metavar="B",
-                   help="also the pieces of batched cycles of B rows each (batched.py; generate.py --batch_size B "
+                   help="also the pieces of batched cycles of B rows each (the engine's; generate.py --batch_size B "
                    "--tree auto reads them), at row counts BATCH_ROWS")
     p.add_argument("--autotune", type=int, nargs="*", metavar="ROWS",
                    help="also time fixed-shape verifies of these row counts (none given: 1 4 16) compiled each of "
@@ -373,7 +213,7 @@ def main(argv=None):
         if not weights.is_file():
             print(f"{precision}: {weights.name} missing, skipped (see quantize.py)", file=sys.stderr)
             continue
-        pieces[precision] = Pieces(precision, args.mode, args.checkpoint, args.eagle_head)
+        pieces[precision] = load_pieces(precision, args.mode, args.checkpoint, args.eagle_head)
     if not pieces:
         raise CheckpointError(f"no model.pth or quantized file in {args.checkpoint}; give the target's directory")
     jobs, graphs = {}, {}

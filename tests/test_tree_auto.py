@@ -457,7 +457,7 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
 
 def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys):
     """No profile of its own and no reference for this kind of machine: the run times the pieces of a cycle on
-    the loaded target and head (scripts/profile_costs.calibrate), keeps the result, chooses a tree from it and
+    the loaded target and head (tuning.calibrate, timed by costs.py), keeps the result, chooses a tree from it and
     says so; the next run reuses it without timing again. The chosen tree stays lossless."""
     import torch
 

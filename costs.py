@@ -1,0 +1,142 @@
+"""Timing the pieces of an EAGLE cycle on this machine: the engine's own steps (verify, a head draft step, the
+head's update forward, KV moves) over n rows after PREFIX cached tokens, timed round-robin so that load on the
+machine spreads evenly over them. tuning.calibrate (a quick profile at a generate.py run's first --tree auto) and
+scripts/profile_costs.py (the full profile) both time through Pieces and piece_costs.
+"""
+import random
+import statistics
+import time
+
+import torch
+
+from engine import compile_step, draft_step, update_rows, verify_rows
+from model import causal_mask
+
+ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
+UPDATE_ROWS = list(range(2, 10))  # depth 1..8
+PREFIX = 300
+PIECES = ("verify", "draft", "update", "move")
+TOP_K = 4  # draft top-k of a draft step / head update (a tree's max rank + 1; its cost hardly varies)
+
+
+def rows_of(piece: str) -> list:
+    return ROWS if piece in ("verify", "draft") else UPDATE_ROWS
+
+
+# ---------------------------------------------------------------- the cycle's steps: the engine's own
+def verify_greedy(model, tokens, input_pos, mask):
+    """engine.verify_rows, greedy: the target over tokens [B, n] at slots (and rotary positions) input_pos."""
+    return verify_rows(model, tokens, input_pos, input_pos, mask, True)
+
+
+def compiled(fn, tag: str, inductor_config=None):
+    """fn compiled as engine.Steps.compiled compiles a fixed-shape step (inductor_config: a COMPILE_KINDS value), its
+    graphs its own (engine.own_code: a fixed-shape compile of verify_rows would otherwise reuse the dynamic graph,
+    and four precisions would share one cache)."""
+    return compile_step(fn, inductor_config, tag, fullgraph=True, dynamic=False)
+
+
+def dynamic(*marks):
+    """mark_dynamic (tensor, dims) pairs, except dims of size 1 (Dynamo specialises those)."""
+    for tensor, dims in marks:
+        for d in dims:
+            if tensor.shape[d] > 1:
+                torch._dynamo.mark_dynamic(tensor, d)
+
+
+class Pieces:
+    """A target and head (bound to each other) with PREFIX random tokens cached in each of batch_size rows, and a
+    callable per piece and row count (at batch_size > 1 each piece runs its rows in every batch row, as the
+    engine's batched cycle); the steps eager (mode "eager") or compiled with the row count dynamic."""
+
+    def __init__(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
+        self.checkpoint = None  # where the weights came from, if a caller loaded them (scripts/profile_costs.py)
+        self.prepare(model, head, mode, tag, max_rows, batch_size)
+
+    def prepare(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
+        """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled."""
+        self.model, self.head, self.batch_size = model, head, batch_size
+        slots = PREFIX + max_rows + 16
+        self.model.setup_caches(batch_size, slots)
+        self.head.setup_caches(slots, batch_size=batch_size)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, self.model.config.vocab_size, (1, PREFIX + 1), generator=g).expand(batch_size, -1)
+        pos = torch.arange(PREFIX)
+        _, feats = self.model(prompt[:, :PREFIX], pos, mask=causal_mask(pos, PREFIX))
+        self.head(self.model.tok_embeddings(prompt[:, 1:]), feats, pos, causal_mask(pos, PREFIX))
+        self.feature = feats[:, -1:]
+        self.steps = {"verify": verify_greedy, "draft": draft_step, "update": update_rows}
+        if mode != "eager":
+            self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
+
+    def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
+        """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension
+        marked dynamic, or with rows_dynamic False only the cache slots, as generate.py does)."""
+        steps, B = steps or self.steps, self.batch_size
+        pos = torch.arange(PREFIX, PREFIX + rows)
+        tokens = torch.randint(0, min(1000, self.model.config.vocab_size), (B, rows))
+        mask = causal_mask(pos, PREFIX + rows)
+        pos_dims, mask_dims = [0], [0, 1]
+        if B > 1:  # the engine's batched shapes: slots [B, n] and masks [B, 1, n, S], each row its own
+            pos, mask = pos.expand(B, -1).contiguous(), mask.expand(B, 1, -1, -1).contiguous()
+            pos_dims, mask_dims = [1], [2, 3]
+        if piece == "verify":
+            dynamic(*([(tokens, [1]), (pos, pos_dims), (mask, mask_dims)] if rows_dynamic else [(mask, mask_dims[-1:])]))
+            return lambda: steps["verify"](self.model, tokens, pos, mask)
+        features = self.feature.expand(B, rows, -1).contiguous()
+        dynamic((tokens, [1]), (pos, pos_dims), (mask, mask_dims), (features, [1]))
+        if piece == "draft":
+            return lambda: steps["draft"](self.model, self.head, tokens, features, pos, pos, mask, TOP_K)
+        if piece == "update":
+            last = torch.full((B,), rows - 1)
+            return lambda: steps["update"](self.model, self.head, tokens, features, pos, mask, last, TOP_K)
+        caches = self.model.kv_caches()  # move: as the engine's commit, eager
+        src, dst = pos + rows, pos
+        return lambda: [c.move(src, dst) for c in caches]
+
+
+CALIBRATION_ROWS = {"verify": [1, 2, 3, 4, 6, 8, 12, 16], "draft": [1, 2, 4, 8], "update": [2, 3, 4, 5],
+                    "move": [2, 3, 4, 5]}
+CALIBRATION_REPS = 5
+BATCH_ROWS = CALIBRATION_ROWS  # batched cycles: trees of up to 16 nodes (a larger batch wants a smaller tree)
+# a cycle's and a vanilla step's host work beyond their forwards, measured on AVX-512 BF16 (int4 compiled, one
+# thread: chain-1's phases less its forwards, results/2026-12-01-cycle-overheads); main()'s defaults
+OVERHEAD_MS, DECODE_OVERHEAD_MS = 0.8, 0.25
+
+
+def piece_costs(pieces_by_key: dict, rows_by_piece: dict, reps: int, seed: int = 0):
+    """{key: {piece_ms: {rows: median ms}}} and the wall medians alike, of Pieces timed round-robin (every key,
+    piece and row count in one rotation); each callable is warmed up (compiled) first."""
+    jobs = {}
+    for key, pieces in pieces_by_key.items():
+        for piece, rows in rows_by_piece.items():
+            for n in rows:
+                jobs[key, piece, n] = pieces.call(piece, n)
+                jobs[key, piece, n]()  # compiles (once per piece, and for one row) and warms up
+                jobs[key, piece, n]()
+    medians, wall = timed_round_robin(jobs, reps, seed)
+    return ({key: {f"{piece}_ms": {str(n): medians[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
+             for key in pieces_by_key},
+            {key: {piece: {str(n): wall[key, piece, n] for n in rows} for piece, rows in rows_by_piece.items()}
+             for key in pieces_by_key})
+
+
+def median_ms(times: list) -> float:
+    return round(statistics.median(times) * 1000, 4)
+
+
+
+def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
+    """jobs: {name: callable}; each rep runs every job once in a fresh random order. Median ms per job of
+    this thread's CPU time (what the call costs on an idle core: a busy machine's other processes stretch
+    wall time, not it) and of wall time."""
+    cpu, wall = {name: [] for name in jobs}, {name: [] for name in jobs}
+    names, rng = list(jobs), random.Random(seed)
+    for _ in range(reps):
+        rng.shuffle(names)
+        for name in names:
+            start_cpu, start = time.thread_time(), time.perf_counter()
+            jobs[name]()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - start_cpu)
+    return {name: median_ms(t) for name, t in cpu.items()}, {name: median_ms(t) for name, t in wall.items()}
