@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from eagle_head import EagleHead
-from model import Transformer, causal_mask, narrow_caches
+from model import Transformer, cache_dtype, causal_mask, narrow_caches
 from tree import ContextLookup, DynamicTree, Tree, ancestor_mask, children_of, tree_attention_mask
 
 
@@ -534,15 +534,18 @@ class Engine:
     def __init__(self, model: Transformer, max_seq_len: int, max_rows: int, head: Optional[EagleHead] = None,
                  tree: Optional["Tree | DynamicTree"] = None, compile: bool = False,
                  inductor_config: Optional[dict] = None, steps: Optional[Steps] = None,
-                 adapt: Optional[Adaptation] = None):
+                 adapt: Optional[Adaptation] = None, kv_dtype: Optional[torch.dtype] = None):
         """steps: the model steps (engines may share a Steps and its compiled graphs); else compile: a Steps of
         this engine's own, compiled with inductor_config (tuning.COMPILE_KINDS: None for the default kind, or
         frozen weights, or frozen and autotuned), or eager. adapt (EAGLE): an Adaptation that chooses, step by
-        step, between a cycle and a plain decode step; None: every step a cycle."""
+        step, between a cycle and a plain decode step; None: every step a cycle. kv_dtype: the target's keys and
+        values (None: model.cache_dtype's choice, fp32 on a CPU); bf16 with bf16 weights halves the cache, and a
+        vanilla step reads it with model.decode_attention, faster at many rows (scripts/make_data.py's batches)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device = max_seq_len, model.output.weight.device
+        self.kv_dtype = kv_dtype or cache_dtype(model.tok_embeddings.weight.dtype, self.device)
         self.steps = steps or (Steps.compiled(self.device, inductor_config=inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
         # the slots a step's attention reads: the live ones on a CPU, the whole cache elsewhere (see span)
@@ -573,8 +576,9 @@ class Engine:
         this engine's by default: engines sharing a model share its caches (each generate call makes sure they
         fit it, reallocated only when they do not), so only one of them may hold live rows at a time."""
         self.cache_len, model = max(self.cache_len, cache_len), self.model
-        if model.max_batch_size != self.batch_size or model.max_seq_len < self.cache_len:
-            model.setup_caches(self.batch_size, self.cache_len)
+        if model.max_batch_size != self.batch_size or model.max_seq_len < self.cache_len or \
+                model.kv_caches()[0].k_cache.dtype != self.kv_dtype:
+            model.setup_caches(self.batch_size, self.cache_len, dtype=self.kv_dtype)
             self.rows, self.root = [None] * self.batch_size, None  # the caches were reallocated: rows start again
         if self.head is not None:
             self.head_cache_len = max(self.head_cache_len, head_cache_len)

@@ -172,10 +172,12 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype=None):
         """(Re)allocate the KV caches and the rotary tables for `max_seq_len` positions."""
-        if self.max_seq_len == max_seq_len and self.max_batch_size == max_batch_size:
-            return
         device, rope_dtype, c = self.output.weight.device, self.tok_embeddings.weight.dtype, self.config
         dtype = dtype or cache_dtype(rope_dtype, device)
+        cache = self.layers[0].attention.kv_cache
+        if (self.max_seq_len, self.max_batch_size) == (max_seq_len, max_batch_size) and cache is not None and \
+                cache.k_cache.dtype == dtype:
+            return
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(device)
@@ -190,26 +192,12 @@ class Transformer(nn.Module):
         """Within the block the KV caches are batch row `row` alone (see narrow_caches)."""
         return narrow_caches(self.kv_caches(), row)
 
-    def move_batch_rows(self, src: Tensor, dst: Tensor, slots: int):
-        """Batch row dst[i] of the KV caches becomes what row src[i] was, in its first `slots` slots (in place:
-        the buffers stay the same; src and dst may overlap, as in a permutation of rows)."""
-        for cache in self.kv_caches():
-            cache.k_cache[dst, :, :slots] = cache.k_cache[src, :, :slots]
-            cache.v_cache[dst, :, :slots] = cache.v_cache[src, :, :slots]
-
-    def keep_batch_rows(self, rows: Tensor):
-        """Keep only these batch rows (indices or a bool mask) of the KV caches: finished sequences leave."""
-        for cache in self.kv_caches():
-            cache.k_cache, cache.v_cache = cache.k_cache[rows], cache.v_cache[rows]
-        self.max_batch_size = self.kv_caches()[0].k_cache.shape[0]
-
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
                 rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
         slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache); SELF_CAUSAL: causal over
-        this call's tokens, no cache read. A tuple of G masks
-        [B / G, 1, T, S_g]: consecutive groups of rows, each reading its own S_g slots (batched decoding).
+        this call's tokens, no cache read.
         rope_pos: rotary positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
@@ -217,7 +205,7 @@ class Transformer(nn.Module):
         hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
         """
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
-        if not isinstance(mask, (tuple, str)):  # a tuple: masks of consecutive row groups, each over its own slots
+        if not isinstance(mask, str):
             mask = mask[:, None] if mask.dim() == 3 else mask  # [B, T, S] -> [B, heads (broadcast), T, S]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos, sin = self.rope_cos[rope_pos], self.rope_sin[rope_pos]
@@ -320,11 +308,7 @@ class Attention(nn.Module):
             return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences
             k, v = self.kv_cache.update(input_pos, k, v)
-        groups = mask if isinstance(mask, tuple) else (mask,)  # masks of consecutive row groups
-        rows = bsz // len(groups)
-        ys = [self.attend(q[g * rows: (g + 1) * rows], k[g * rows: (g + 1) * rows], v[g * rows: (g + 1) * rows], m)
-              for g, m in enumerate(groups)]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys)
+        y = self.attend(q, k, v, mask)
         return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
 
     def attend(self, q, k, v, mask):
@@ -339,7 +323,7 @@ class Attention(nn.Module):
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """One query per row (q [B, heads, 1, head_dim]) over a bf16 cache (k, v [B, kv_heads, S, head_dim]), in fp32:
-    the batched decode of scripts/make_data.py. Written as broadcast products and sums over each kv head's slots
+    a vanilla step of an engine given kv_dtype bf16 (scripts/make_data.py's). Written as broadcast products and sums over each kv head's slots
     for the query heads sharing it (no per-head copy of the cache), which inductor fuses into two vectorised
     loops; PyTorch's bf16 attention kernel is 6x slower here and its fp32 kernel on an fp32 cache 1.3x (B=16,
     S=400, one thread, AVX-512 BF16). Slow in eager mode: meant for compiled steps."""

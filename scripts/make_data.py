@@ -4,11 +4,11 @@
     python scripts/make_data.py --conversations 2000 --t1_share 0.25 # a quarter of the files sampled at T=1
     python scripts/make_data.py --conversations 2000 --resample 1    # the same conversations again, all at T=1
 
-A generation engine (Engine): a static batch of B rows decoded by one compiled step, each row at its own
-length (per-row cache slots, attention over the live slots only: the longest row's). A row that finishes
-(stop token, answer budget, cache full) is refilled at once with the next request, so the batch stays full
-(continuous batching); a conversation's next turn continues in the same row, reusing the cached prefix
-(the target's own earlier answers, as in a chat). bf16 weights where the CPU has avx512_bf16 or AMX.
+The answers come from engine.Engine, the decode loop generate.py and serve.py run (answer_all): B rows
+decoded by one compiled step, each row at its own length. A row that finishes (stop token, answer budget,
+cache full, or a loop) is refilled at once with the next turn, so the batch stays full (continuous batching);
+a conversation's next turn continues in the same row, reusing the cached prefix (the target's own earlier
+answers, as in a chat). bf16 weights where the CPU has avx512_bf16 or AMX.
 
 Storage (data/): one file pair per chunk of conversations, written when all of its conversations are done,
 so a stopped run resumes at the first missing chunk. NAME.json is the manifest (source, sampling, the
@@ -30,11 +30,10 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
-from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import Sampling  # noqa: E402
-from model import Transformer, causal_mask  # noqa: E402
+from engine import Engine, Sampling  # noqa: E402
+from model import Transformer  # noqa: E402
 
 HELD_OUT = 200  # the first conversations of the ShareGPT file are never trained on
 
@@ -89,21 +88,14 @@ def weights_hash(model: Transformer) -> str:
     return h.hexdigest()[:16]
 
 
-# ---------------------------------------------------------------- the engine
+# ---------------------------------------------------------------- answering on the engine
 @dataclass
-class Request:
+class Turn:
+    """A user turn to answer: its prompt (the conversation so far, rendered), the answer budget and sampling."""
     prompt: list  # token ids
     max_new_tokens: int
     sampling: Sampling
-    key: object = None  # the caller's
-
-
-@dataclass
-class Row:
-    cached: list = field(default_factory=list)  # token ids in this row's cache slots 0..len-1
-    request: Optional[Request] = None
-    pending: int = 0  # the token sampled last, fed at the next step
-    answer: list = field(default_factory=list)
+    conversation: object = None  # the caller's
 
 
 def looping(answer: list) -> bool:
@@ -114,142 +106,47 @@ def looping(answer: list) -> bool:
 
 
 def loop_start(answer: list, every: int = LOOP_EVERY) -> Optional[int]:
-    """Where an answer is first seen looping, checked as the engine checks (every `every` tokens): the length
+    """Where an answer is first seen looping, checked as answer_all checks (every `every` tokens): the length
     at which a run with the loop cut would have ended it (None: it never loops). Answers stored before the cut
     (or before its period grew to LOOP_PERIOD) run on past it, repeating the same passage."""
     return next((n for n in range(every, len(answer) + 1, every) if looping(answer[:n])), None)
 
 
-def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: tuple) -> Tensor:
-    """One token per row: tokens [B, 1] at slots input_pos [B, 1] under masks [B / G, 1, 1, S_g] of G groups of
-    consecutive rows: logits [B, V]."""
-    logits, _ = model(tokens, input_pos, mask=mask)
-    return logits[:, -1].float()
+def answer_all(engine: Engine, next_turn: Callable, on_done: Callable, stop_ids=frozenset(), cut_loops: bool = False,
+               should_stop: Callable = lambda: False, on_step: Callable = lambda tokens: None) -> int:
+    """Answer turns on the engine (continuous batching: its rows kept full from next_turn(), None when there is
+    none) until none is left or should_stop(). on_done(turn, answer, reason) ("stop", "length", "loop") may return
+    the conversation's next turn: it is queued before any new conversation's, so it takes the row that holds its
+    prefix (engine.Engine._admit: the target's own earlier answer stays cached, as in a chat). With cut_loops, an
+    answer seen looping (checked every LOOP_EVERY tokens) ends there. Returns the answer tokens made."""
+    turns, made = {}, 0  # engine request -> its Turn
 
+    def add(turn: Optional[Turn]):
+        if turn is not None:
+            budget = min(turn.max_new_tokens, engine.max_seq_len - len(turn.prompt))
+            turns[engine.add(turn.prompt, budget, turn.sampling, stop_ids)] = turn
 
-def pick(logits: Tensor, sampling: Sampling, generator: Optional[torch.Generator] = None) -> int:
-    if sampling.greedy:
-        return int(logits.argmax())
-    probs = sampling.probs(logits[None])[0].double()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    def fill():
+        while len(engine.queue) + engine.running < engine.batch_size:
+            turn = next_turn()
+            if turn is None:
+                return
+            add(turn)
 
-
-class Engine:
-    """B rows decoded together. run(next_request, on_done): next_request(row_cached_tokens) gives the next
-    Request (or None when there is none); on_done(request, answer, reason) may return a follow-up Request to
-    run in the same row at once (a conversation's next turn), reusing the cached prefix it shares."""
-
-    def __init__(self, model: Transformer, batch_size: int, max_len: int, compile: bool = False, seed: int = 0,
-                 groups: int = 0, sort_every: int = 32, cut_loops: bool = False):
-        """groups: the batch's attention runs in this many groups of consecutive rows, each over the slots of its
-        longest row (default: one per 16 rows), rows sorted by length every sort_every steps; with one group
-        every row reads as many slots as the longest (B=64, rows of 100-1000 tokens, bf16, one thread: 580 ms a
-        step with one group, 430 with four)."""
-        self.model, self.batch_size, self.max_len = model, batch_size, max_len
-        self.groups = groups or max(1, batch_size // 16)
-        if batch_size % self.groups:
-            raise ValueError(f"--batch_size {batch_size} is not a multiple of the {self.groups} attention groups")
-        self.sort_every, self.cut_loops = sort_every, cut_loops
-        self.device = model.output.weight.device
-        # a spare slot: a live mask never spans the whole cache. Keys and values in bf16 with bf16 weights:
-        # half the memory, and model.decode_attention reads them faster than SDPA reads an fp32 cache
-        bf16 = model.output.weight.dtype == torch.bfloat16
-        model.setup_caches(batch_size, max_len + 1, dtype=torch.bfloat16 if bf16 else None)
-        self.step = torch.compile(decode_rows, fullgraph=True, dynamic=False) if compile else decode_rows
-        self.rows = [Row() for _ in range(batch_size)]
-        self.generator = torch.Generator().manual_seed(seed)
-        self.steps = self.answer_tokens = self.prefill_tokens = 0
-
-    @torch.no_grad()
-    def prefill(self, b: int, request: Request):
-        row = self.rows[b]
-        # at least one token to run: its logits give the answer's first
-        common = min(common_prefix(row.cached, request.prompt), len(request.prompt) - 1)
-        new = torch.tensor(request.prompt[common:], device=self.device)
-        pos = torch.arange(common, len(request.prompt), device=self.device)
-        with self.model.cache_row(b):
-            logits, _ = self.model(new[None], pos, mask=causal_mask(pos, len(request.prompt)), logits_at=slice(-1, None))
-        row.cached, row.request, row.answer = list(request.prompt), request, []
-        row.pending = pick(logits[0, -1].float(), request.sampling, self.generator)
-        self.prefill_tokens += len(new)
-
-    def finished(self, row: Row) -> Optional[str]:
-        if row.answer and row.answer[-1] in self.stop_ids:
-            return "stop"
-        if len(row.answer) >= row.request.max_new_tokens or len(row.cached) >= self.max_len:
-            return "length"
-        if self.cut_loops and len(row.answer) % LOOP_EVERY == 0 and looping(row.answer):
-            return "loop"
-        return None
-
-    @torch.no_grad()
-    def run(self, next_request: Callable, on_done: Callable, stop_ids=frozenset(),
-            should_stop: Callable = lambda: False, on_step: Callable = lambda engine: None):
-        """Decode until no row has a request left (or should_stop())."""
-        self.stop_ids = stop_ids
-        for b, row in enumerate(self.rows):
-            self._refill(b, next_request(row.cached))
-        while any(row.request for row in self.rows) and not should_stop():
-            if self.steps % self.sort_every == 0:
-                self.sort_rows()
-            live = [row.request is not None for row in self.rows]
-            # a parked row (no request left) runs at slot 1: a group of parked rows then reads 2 slots, where
-            # 1 would make Dynamo specialise that group's dynamic slot count and compile again
-            pos = [len(row.cached) if alive else 1 for row, alive in zip(self.rows, live)]
-            tokens = torch.tensor([[row.pending if alive else 0] for row, alive in zip(self.rows, live)])
-            input_pos = torch.tensor(pos, device=self.device)[:, None]
-            n = self.batch_size // self.groups
-            masks = tuple(causal_mask(input_pos[g: g + n], max(pos[g: g + n]) + 1)[:, None]  # [n, 1, 1, S_g]
-                          for g in range(0, self.batch_size, n))
-            for mask in masks:
-                torch._dynamo.mark_dynamic(mask, 3)
-            logits = self.step(self.model, tokens.to(self.device), input_pos, masks)
-            self.steps += 1
-            for b, (row, alive) in enumerate(zip(self.rows, live)):
-                if not alive:
-                    continue
-                row.cached.append(row.pending)
-                row.answer.append(row.pending)
-                self.answer_tokens += 1
-                reason = self.finished(row)
-                if reason is None:
-                    row.pending = pick(logits[b], row.request.sampling, self.generator)
-                    continue
-                follow = on_done(row.request, row.answer, reason)
-                self._refill(b, follow if follow is not None else next_request(row.cached))
-            on_step(self)
-
-    def sort_rows(self):
-        """Regroup rows by length, so that each attention group's rows are alike: the longest n rows make the
-        first group, and so on. A row already in its group stays; only the others move, and only their live
-        slots are copied (copying whole caches every 32 steps took 17% of a batch-64 run)."""
-        n = self.batch_size // self.groups
-        length = [len(row.cached) if row.request else 0 for row in self.rows]
-        ranked = sorted(range(self.batch_size), key=lambda b: (-length[b], b))
-        target = {b: rank // n for rank, b in enumerate(ranked)}
-        incoming = [[] for _ in range(self.groups)]  # rows bound for group g from elsewhere
-        vacated = [[] for _ in range(self.groups)]  # slots of group g whose rows leave it
-        for b in range(self.batch_size):
-            if target[b] != b // n:
-                incoming[target[b]].append(b)
-                vacated[b // n].append(b)
-        moves = [(src, dst) for g in range(self.groups) for src, dst in zip(incoming[g], vacated[g])]
-        if not moves:
-            return
-        src, dst = zip(*moves)
-        slots = max(length[b] for b in src) + 1
-        self.model.move_batch_rows(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device), slots)
-        rows = list(self.rows)
-        for s, d in moves:
-            rows[d] = self.rows[s]
-        self.rows = rows
-
-    def _refill(self, b: int, request: Optional[Request]):
-        if request is None or len(request.prompt) + 1 > self.max_len:
-            self.rows[b].request = None
-            return
-        request.max_new_tokens = min(request.max_new_tokens, self.max_len - len(request.prompt))
-        self.prefill(b, request)
+    fill()
+    while engine.pending() and not should_stop():
+        for request, new in engine.step():
+            made += len(new)
+            n = len(request.out)
+            loops = cut_loops and not request.done and n // LOOP_EVERY > (n - len(new)) // LOOP_EVERY and \
+                looping(request.out)
+            if loops:
+                engine.cancel(request)
+            if request.done:
+                add(on_done(turns.pop(request), request.out, "loop" if loops else request.finish_reason))
+        fill()
+        on_step(made)
+    return made
 
 
 # ---------------------------------------------------------------- ShareGPT turns
@@ -261,7 +158,7 @@ class Conversation:
     records: list = field(default_factory=list)
 
 
-def conversation_requests(conv: Conversation, tokenizer, args, sampling: Sampling) -> Optional[Request]:
+def conversation_turn(conv: Conversation, tokenizer, args, sampling: Sampling) -> Optional[Turn]:
     """The request for the conversation's next user turn, or None (no turn left, or it does not fit)."""
     turn = len(conv.records)
     if turn >= len(conv.users):
@@ -271,7 +168,7 @@ def conversation_requests(conv: Conversation, tokenizer, args, sampling: Samplin
     if (turn == 0 and len(prompt) > args.max_prompt_len) or len(prompt) + MIN_ANSWER_ROOM > args.max_len:
         return None
     conv.messages = messages
-    return Request(prompt, args.max_new_tokens, sampling, key=conv)
+    return Turn(prompt, args.max_new_tokens, sampling, conv)
 
 
 # ---------------------------------------------------------------- storage
@@ -410,11 +307,12 @@ def main(argv=None):
     convs = list(sharegpt_conversations(first + count))[first:]
     if args.heldout:
         args.out = args.out / "heldout"
+    samplings = {0.0: Sampling(), 1.0: Sampling.seeded(1.0, seed=args.seed + args.resample)}
     chunks = []  # (name, conversations, manifest) still to make
     for c in range(0, len(convs), args.chunk):
         start = first + c
         t1 = args.t1_share > 0 and (c // args.chunk) % round(1 / args.t1_share) == round(1 / args.t1_share) - 1
-        sampling = Sampling(1.0 if t1 or args.resample else 0.0)
+        sampling = samplings[1.0 if t1 or args.resample else 0.0]
         name = chunk_name(start, sampling.temperature, args.resample)
         if not (args.out / f"{name}.json").exists():
             group = [Conversation(first + c + i, [m["content"] for m in msgs if m["role"] == "user"])
@@ -443,13 +341,13 @@ def main(argv=None):
     done = {"conversations": 0, "total": sum(left.values())}
     start_time = time.perf_counter()
 
-    def next_request(_cached):
+    def next_turn():
         while queue:
             conv, sampling = queue.pop(0)
             conv.sampling = sampling
-            request = conversation_requests(conv, tokenizer, args, sampling)
-            if request is not None:
-                return request
+            turn = conversation_turn(conv, tokenizer, args, sampling)
+            if turn is not None:
+                return turn
             conversation_done(conv)
         return None
 
@@ -466,34 +364,37 @@ def main(argv=None):
         for suffix in (".json", ".ids.xz"):
             (args.out / "partial" / f"{name}{suffix}").unlink(missing_ok=True)
 
-    def on_done(request, answer, reason):
-        conv = request.key
-        conv.records.append((request.prompt, list(answer), reason))
+    def on_done(turn, answer, reason):
+        conv = turn.conversation
+        conv.records.append((turn.prompt, list(answer), reason))
         text = tokenizer.decode([t for t in answer if t not in tokenizer.stop_ids])
         conv.messages = conv.messages + [{"role": "assistant", "content": text}]
-        follow = conversation_requests(conv, tokenizer, args, conv.sampling)
+        follow = conversation_turn(conv, tokenizer, args, conv.sampling)
         if follow is None:
             conversation_done(conv)
         return follow
 
-    def on_step(engine):
-        bar.update(engine.answer_tokens - bar.n)
-        if engine.steps % 20 == 0:
+    def on_step(tokens):
+        bar.update(tokens - bar.n)
+        if engine.target_forwards % 20 == 0:
             bar.set_postfix(conversations=f"{done['conversations']}/{done['total']}", refresh=False)
 
     for name, group, manifest, _ in chunks:  # chunks a partial file finished already
         if left[name] == 0:
             complete(name, group, manifest)
-    engine = Engine(model, args.batch_size, args.max_len, compile=args.compile, seed=args.seed + args.resample,
-                    cut_loops=args.cut_loops)
-    engine.run(next_request, on_done, tokenizer.stop_ids, should_stop=lambda: stop["asked"], on_step=on_step)
+    # keys and values in bf16 with bf16 weights: half the memory, and model.decode_attention reads them faster than
+    # SDPA reads an fp32 cache
+    engine = Engine(model, args.max_len, args.batch_size, compile=args.compile,
+                    kv_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)
+    made = answer_all(engine, next_turn, on_done, tokenizer.stop_ids, args.cut_loops, should_stop=lambda: stop["asked"],
+                      on_step=on_step)
     bar.close()
     for name, group, manifest, _ in chunks:
         if left[name] > 0 and finished[name]:
             write_chunk(args.out / "partial", name, sorted(finished[name], key=lambda c: c.index),
                         {**manifest, "engine": {"batch_size": args.batch_size}})
     elapsed = time.perf_counter() - start_time
-    print(f"{engine.answer_tokens} answer tokens in {elapsed:.0f} s ({engine.answer_tokens / elapsed:.0f} tokens/s, "
+    print(f"{made} answer tokens in {elapsed:.0f} s ({made / elapsed:.0f} tokens/s, "
           f"batch {args.batch_size}); " + ("done" if not stop["asked"] else "stopped: the finished conversations of "
                                            f"open chunks are kept in {args.out / 'partial'}/, the rest answered next time"),
           file=sys.stderr)

@@ -48,6 +48,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import INPUT_MODES, Eagle3Head, EagleHead, load_head  # noqa: E402
+from engine import Engine, Sampling  # noqa: E402
 from model import SELF_CAUSAL, Transformer, causal_mask  # noqa: E402
 from scripts.make_data import HELD_OUT, sharegpt_conversations  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -86,44 +87,13 @@ def batch_features(model: Transformer, sequences: list):
 
 @torch.no_grad()
 def batch_generate(model: Transformer, prompts: list, max_new_tokens: int, stop_ids):
-    """Greedy answers to a batch of prompts (left-padded); returns token ids and features of
-    prompt + answer per row (the features of the final token are not computed, so it is dropped).
-    Finished rows leave the batch (their cache rows are dropped), so long answers do not keep
-    short ones' rows busy."""
-    B, P = len(prompts), max(len(p) for p in prompts)
-    S = P + max_new_tokens
-    model.setup_caches(B, S)
-    pad = torch.tensor([P - len(p) for p in prompts])
-    tokens = torch.zeros(B, P, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, pad[b]:] = torch.tensor(p)
-    key_valid = torch.arange(S)[None, :] >= pad[:, None]  # [B, S]: left padding is never attended
-    pos = torch.arange(P)
-    mask = causal_mask(pos, S)[None] & key_valid[:, None, :]
-    logits, feats = model(tokens, pos, mask=mask[:, None], logits_at=slice(-1, None))
-    answers = [[] for _ in range(B)]
-    features = [[feats[b, pad[b]:]] for b in range(B)]
-    alive = torch.arange(B)  # the original row of each row still in the batch
-    nxt = logits[:, -1].argmax(-1)
-    for step in range(max_new_tokens):
-        for b, t in zip(alive.tolist(), nxt.tolist()):
-            answers[b].append(t)
-        keep = torch.tensor([t not in stop_ids for t in nxt.tolist()])
-        if step == max_new_tokens - 1 or not keep.any():
-            break
-        if not keep.all():
-            alive, nxt, key_valid = alive[keep], nxt[keep], key_valid[keep]
-            model.keep_batch_rows(keep)
-        mask = (torch.arange(S)[None, :] <= P + step) & key_valid
-        logits, feats = model(nxt[:, None], torch.tensor([P + step]), mask=mask[:, None, None])
-        for j, b in enumerate(alive.tolist()):
-            features[b].append(feats[j])
-        nxt = logits[:, -1].argmax(-1)
-    rows = []
-    for b in range(B):
-        ids = prompts[b] + answers[b][:-1]  # the last token (stop or cut) has no feature
-        rows.append((ids, torch.cat(features[b]), len(prompts[b])))
-    return rows
+    """Greedy answers to a batch of prompts, all rows at once on engine.Engine (a finished row leaves the step),
+    and the features of each prompt + answer by one padded forward (batch_features). Returns (token ids,
+    features, prompt length) per prompt; the final token (stop or cut) has no feature, so it is dropped."""
+    engine = Engine(model, max(map(len, prompts)) + max_new_tokens, len(prompts))
+    answers, _ = engine.generate(prompts, max_new_tokens, Sampling(), frozenset(stop_ids))
+    ids = [p + a[:-1] for p, a in zip(prompts, answers)]
+    return [(s, f, len(p)) for s, f, p in zip(ids, batch_features(model, ids), prompts)]
 
 
 def write_shards(out_dir: Path, name: str, items, make_batch, batch_size: int, shard_size: int):

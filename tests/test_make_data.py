@@ -1,4 +1,5 @@
-"""scripts/make_data.py: the batched engine answers as Session.generate does, its files round-trip, runs resume."""
+"""scripts/make_data.py: its answers (engine.Engine through answer_all) equal Session.generate's, its files
+round-trip, runs resume."""
 import argparse
 import json
 import shutil
@@ -7,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from generate import Sampling, Session
+from engine import Engine, Sampling, Session, Steps
 from model import ModelArgs, Transformer, causal_mask
 from scripts import make_data
-from scripts.make_data import Conversation, DataError, Engine, Request, load_answers, read_chunk, write_chunk
+from scripts.make_data import Conversation, DataError, Turn, load_answers, read_chunk, write_chunk
 from test_model import hf_config, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("lean_torch")
@@ -25,121 +26,125 @@ def tiny_target(vocab_size=64, seed=0) -> Transformer:
     return model
 
 
-def session_answers(model, requests, stop_ids):
+def session_answers(model, turns, stop_ids):
     out = []
-    for r in requests:
-        answer, _ = Session(model, len(r.prompt) + r.max_new_tokens).generate(r.prompt, r.max_new_tokens, Sampling(),
+    for t in turns:
+        answer, _ = Session(model, len(t.prompt) + t.max_new_tokens).generate(t.prompt, t.max_new_tokens, Sampling(),
                                                                               stop_ids)
         out.append(answer)
     return out
 
 
-def engine_answers(model, requests, batch_size, max_len, stop_ids, compile=False, groups=0, sort_every=32):
-    queue, got = list(requests), {}
-    engine = Engine(model, batch_size, max_len, compile=compile, groups=groups, sort_every=sort_every)
-    engine.run(lambda cached: queue.pop(0) if queue else None,
-               lambda request, answer, reason: got.__setitem__(request.key, (list(answer), reason)), stop_ids)
-    return [got[r.key] for r in requests], engine
+def engine_answers(model, turns, batch_size, max_len, stop_ids, compile=False, cut_loops=False, engine=None):
+    """answer_all's answers and reasons to turns (keyed by their conversation field), in the turns' order."""
+    queue, got = list(turns), {}
+    engine = engine or Engine(model, max_len, batch_size, compile=compile)
+    made = make_data.answer_all(engine, lambda: queue.pop(0) if queue else None,
+                                lambda turn, answer, reason: got.__setitem__(turn.conversation, (list(answer), reason)),
+                                stop_ids, cut_loops)
+    assert made == sum(len(a) for a, _ in got.values())
+    return [got[t.conversation] for t in turns], engine
 
 
-def tiny_requests(n, vocab_size, seed=0):
+def tiny_turns(n, vocab_size, seed=0, max_new=(3, 20)):
     g = torch.Generator().manual_seed(seed)
-    return [Request(torch.randint(0, vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
-                    int(torch.randint(3, 20, (1,), generator=g)), Sampling(), key=i) for i in range(n)]
+    return [Turn(torch.randint(0, vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
+                 int(torch.randint(*max_new, (1,), generator=g)), Sampling(), i) for i in range(n)]
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_engine_greedy_equals_session_tiny(compile):
-    """Rows of different prompt lengths finish at different steps (budgets, a stop token) and are refilled;
-    every answer equals a single-sequence greedy generation. Compiled: one graph, no recompiles."""
+def test_answers_greedy_equal_session_tiny(compile):
+    """Rows of different prompt lengths finish at different steps (budgets, a stop token, a full cache) and are
+    refilled; every answer equals a single-sequence greedy generation. Compiled: after the engine's warm-up,
+    no recompiles."""
     model = tiny_target()
-    requests = tiny_requests(9, 64)
+    turns = tiny_turns(9, 64)
     stop = {7}
-    ref = session_answers(model, requests, stop)
+    ref = session_answers(model, turns, stop)
     assert any(a[-1] in stop for a in ref) and any(a[-1] not in stop for a in ref)  # both kinds of ending
     if compile:
         torch._dynamo.reset()
-    full = Request(list(range(1, 13)), 30, Sampling(), key="fills the cache")  # 12 + 30 > max_len 40
+    full = Turn(list(range(1, 13)), 30, Sampling(), "fills the cache")  # 12 + 30 > max_len 40
     ref.append(session_answers(model, [full], stop)[0][:40 - 12])
+    engine = Engine(model, 40, 4, compile=compile)
+    engine.warm_up([1, 2, 3])
     # config.patch, not monkeypatch.setattr: monkeypatch's undo deletes the flag from dynamo's config module,
     # and the next recompile anywhere in the process fails reading it
     with torch._dynamo.config.patch(error_on_recompile=compile):
-        got, engine = engine_answers(model, requests + [full], 4, 40, stop, compile=compile, groups=2)
-    assert [a for a, _ in got] == ref  # two attention groups: one parks while the other runs, as at a run's end
+        got, _ = engine_answers(model, turns + [full], 4, 40, stop, engine=engine)
+    assert [a for a, _ in got] == ref
     assert [reason for _, reason in got] == ["stop" if a[-1] in stop else "length" for a in ref]
-    assert engine.answer_tokens == sum(map(len, ref))
 
 
-def test_engine_in_bf16_keeps_a_bf16_cache_and_answers_as_session():
-    """bf16 weights: the engine's keys and values are bf16 and its compiled step attends with
-    model.decode_attention; the answers equal single-sequence generation of the same bf16 model (fp32 cache,
-    PyTorch's attention) on a model without near-ties."""
+def test_answers_in_bf16_keep_a_bf16_cache_and_equal_session():
+    """bf16 weights and kv_dtype bf16 (as make_data runs them): the engine's keys and values are bf16 and its
+    compiled step attends with model.decode_attention; the answers equal single-sequence generation of the same
+    bf16 model (fp32 cache, PyTorch's attention) on a model without near-ties."""
     model = tiny_target().to(torch.bfloat16)
-    requests = tiny_requests(6, 64, seed=2)
-    ref = session_answers(model, requests, {7})
+    turns = tiny_turns(6, 64, seed=2)
+    ref = session_answers(model, turns, {7})
     torch._dynamo.reset()
-    got, engine = engine_answers(model, requests, 4, 40, {7}, compile=True, groups=2)
+    engine = Engine(model, 40, 4, compile=True, kv_dtype=torch.bfloat16)
+    got, _ = engine_answers(model, turns, 4, 40, {7}, engine=engine)
     assert model.kv_caches()[0].k_cache.dtype == torch.bfloat16
     assert [a for a, _ in got] == ref
 
 
-def test_engine_regroups_rows_by_length():
-    """Regrouping rows every few steps moves only the rows in the wrong group, and only their live slots: the
-    answers stay those of single-sequence generation, and a row already in its group keeps its place."""
+def test_a_looping_answer_ends_where_the_loop_is_seen(monkeypatch):
+    """With cut_loops, an answer whose tail repeats (checked every LOOP_EVERY tokens) ends there, finish "loop",
+    and is the single-sequence answer cut at make_data.loop_start; the row is refilled."""
+    monkeypatch.setattr(make_data, "LOOP_WINDOW", 4)
+    monkeypatch.setattr(make_data, "LOOP_PERIOD", 6)
+    monkeypatch.setattr(make_data, "LOOP_EVERY", 2)
     model = tiny_target()
-    requests = tiny_requests(14, 64, seed=1)
-    ref = session_answers(model, requests, {7})
-    got, engine = engine_answers(model, requests, 6, 40, {7}, groups=3, sort_every=3)
-    assert [a for a, _ in got] == ref
-    lengths = [5, 9, 1, 30, 2, 8]  # groups of 2 rows: {30, 9}, {8, 5}, {2, 1}
-    for b, (row, n) in enumerate(zip(engine.rows, lengths)):
-        row.request, row.cached = requests[0], list(range(n))
-        for cache in model.kv_caches():
-            cache.k_cache[b], cache.v_cache[b] = b, -b
-    before = list(engine.rows)
-    engine.sort_rows()
-    assert [len(r.cached) for r in engine.rows] == [30, 9, 5, 8, 2, 1]
-    assert engine.rows[1] is before[1] and engine.rows[4] is before[4]  # already in their groups: not moved
-    source = [3, 1, 0, 5, 4, 2]
-    for cache in model.kv_caches():
-        for b, src in enumerate(source):
-            n = max(lengths[s] for s in (3, 0, 5, 2)) + 1 if src != b else cache.k_cache.shape[2]
-            assert (cache.k_cache[b, :, :n] == src).all() and (cache.v_cache[b, :, :n] == -src).all()
+    turns = tiny_turns(8, 64, seed=3, max_new=(30, 40))
+    ref = session_answers(model, turns, set())
+    got, _ = engine_answers(model, turns, 3, 60, set(), cut_loops=True)
+    cuts = [make_data.loop_start(a, 2) for a in ref]
+    assert any(c is not None and c < len(a) for c, a in zip(cuts, ref))  # some answers loop (tiny greedy models do)
+    for (answer, reason), want, cut in zip(got, ref, cuts):
+        if cut is not None and cut < len(want):
+            assert (answer, reason) == (want[:cut], "loop")
+        else:
+            assert (answer, reason) == (want, "length")
 
 
-def test_engine_follow_up_reuses_the_row():
-    """A follow-up request (a conversation's next turn) runs in the same row and prefills only what is new;
-    its answer equals a fresh single-sequence generation of the whole prompt."""
+def test_a_follow_up_reuses_the_row():
+    """A follow-up turn (a conversation's next) runs in the row that holds its prefix and prefills only what is
+    new; its answer equals a fresh single-sequence generation of the whole prompt."""
     model = tiny_target()
-    first = Request([3, 5, 9, 11], 6, Sampling(), key="turn 1")
-    answers = {}
+    first = Turn([3, 5, 9, 11], 6, Sampling(), "turn 1")
+    answers, prefilled = {}, []
 
-    def on_done(request, answer, reason):
-        answers[request.key] = list(answer)
-        if request.key == "turn 1":
-            return Request(request.prompt + list(answer) + [4, 4], 5, Sampling(), key="turn 2")
+    def on_done(turn, answer, reason):
+        answers[turn.conversation] = list(answer)
+        if turn.conversation == "turn 1":
+            return Turn(turn.prompt + list(answer) + [4, 4], 5, Sampling(), "turn 2")
         return None
 
-    queue = [first]
-    engine = Engine(model, 2, 40)
-    engine.run(lambda cached: queue.pop(0) if queue else None, on_done)
+    steps = Steps()  # eager, with a prefill that counts the tokens it runs
+    prefill = steps.prefill
+    steps.prefill = lambda model, tokens, *a: (prefilled.append(tokens.shape[1]), prefill(model, tokens, *a))[1]
+    queue = [first, Turn([2, 2, 2], 4, Sampling(), "another")]
+    make_data.answer_all(Engine(model, 40, 2, steps=steps), lambda: queue.pop(0) if queue else None, on_done)
     second_prompt = first.prompt + answers["turn 1"] + [4, 4]
-    assert answers["turn 2"] == session_answers(model, [Request(second_prompt, 5, Sampling())], set())[0]
-    # turn 2 prefilled the two new tokens only (turn 1's answer ran through the target as it was decoded)
-    assert engine.prefill_tokens == len(first.prompt) + 2
+    assert answers["turn 2"] == session_answers(model, [Turn(second_prompt, 5, Sampling())], set())[0]
+    # turn 2 prefilled its two new tokens and turn 1's last answer token (sampled, never fed) only: the rest of
+    # turn 1's answer ran through the target as it was decoded
+    assert prefilled == [len(first.prompt), 3, 3]  # turn 1, another, turn 2
 
 
-def test_engine_default_model(default_checkpoint):
+def test_answers_of_the_default_model(default_checkpoint):
     """The default model, fp32: the engine's greedy answers equal Session.generate's."""
     from tokenizer import Tokenizer
 
     model = Transformer.from_checkpoint(default_checkpoint)
     tokenizer = Tokenizer.load(default_checkpoint.parent)
     questions = ["What is 2+2?", "Write a haiku about the sea.", "Name three rivers.", "Who wrote Hamlet?"]
-    requests = [Request(tokenizer.encode_chat([{"role": "user", "content": q}]), n, Sampling(), key=i)
-                for i, (q, n) in enumerate(zip(questions, [30, 12, 24, 16]))]
-    ref = session_answers(model, requests, tokenizer.stop_ids)
-    got, _ = engine_answers(model, requests, 2, 120, tokenizer.stop_ids)
+    turns = [Turn(tokenizer.encode_chat([{"role": "user", "content": q}]), n, Sampling(), i)
+             for i, (q, n) in enumerate(zip(questions, [30, 12, 24, 16]))]
+    ref = session_answers(model, turns, tokenizer.stop_ids)
+    got, _ = engine_answers(model, turns, 2, 120, tokenizer.stop_ids)
     assert [a for a, _ in got] == ref
 
 
@@ -240,24 +245,26 @@ def test_a_stopped_run_keeps_the_conversations_it_finished(tmp_path, default_che
     args = ["--checkpoint", str(ckpt_dir / "model.pth"), "--conversations", "4", "--chunk", "4", "--batch_size", "2",
             "--max_new_tokens", "6", "--max_len", "400", "--no-compile", "--dtype", "float32"]
     make_data.main(args + ["--out", str(tmp_path / "whole")])
-    out, run, asked = tmp_path / "data", Engine.run, []
+    out, answer_all, asked = tmp_path / "data", make_data.answer_all, []
 
-    def stopped_early(self, next_request, on_done, stop_ids=frozenset(), should_stop=None, on_step=None):
-        def done(request, answer, reason):
-            follow = on_done(request, answer, reason)
+    def stopped_early(engine, next_turn, on_done, stop_ids=frozenset(), cut_loops=False, should_stop=None,
+                      on_step=None):
+        def done(turn, answer, reason):
+            follow = on_done(turn, answer, reason)
             if follow is None:
-                asked.append(request.key.index)  # a conversation answered in full
+                asked.append(turn.conversation.index)  # a conversation answered in full
             return follow
-        return run(self, next_request, done, stop_ids, should_stop=lambda: len(asked) >= 1, on_step=on_step)
+        return answer_all(engine, next_turn, done, stop_ids, cut_loops, should_stop=lambda: len(asked) >= 1,
+                          on_step=on_step)
 
-    monkeypatch.setattr(Engine, "run", stopped_early)
+    monkeypatch.setattr(make_data, "answer_all", stopped_early)
     make_data.main(args + ["--out", str(out)])
     assert not list(out.glob("*.json")) and load_answers(out) == []
     kept = read_chunk(out / "partial" / "sharegpt-c000200-t0.json")
     assert {r["conversation"] for r in kept} == set(asked)
-    monkeypatch.setattr(Engine, "run", run)
+    monkeypatch.setattr(make_data, "answer_all", answer_all)
     answered = []
-    monkeypatch.setattr(make_data, "conversation_requests", lambda conv, *a, _f=make_data.conversation_requests:
+    monkeypatch.setattr(make_data, "conversation_turn", lambda conv, *a, _f=make_data.conversation_turn:
                         (answered.append(conv.index), _f(conv, *a))[1])
     make_data.main(args + ["--out", str(out)])
     assert not set(asked) & set(answered) and not list((out / "partial").glob("*"))
@@ -389,13 +396,11 @@ def test_a_looping_answer_ends_as_a_loop():
     with torch.no_grad():
         model.output.weight.zero_()
         model.tok_embeddings.weight.zero_()  # every position sees the same input: one token forever
-    request = Request([1, 2, 3], 300, Sampling(), key=0)
-    got, _ = engine_answers(model, [request], 2, 400, set(), compile=False)
+    turn = Turn([1, 2, 3], 300, Sampling(), 0)
+    got, _ = engine_answers(model, [turn], 2, 400, set())
     assert got[0][1] == "length"  # without the cut
-    queue, out = [Request([1, 2, 3], 300, Sampling(), key=0)], {}
-    engine = Engine(model, 2, 400, cut_loops=True)
-    engine.run(lambda c: queue.pop(0) if queue else None, lambda r, a, why: out.__setitem__("r", (list(a), why)))
-    assert out["r"][1] == "loop" and len(out["r"][0]) < 300
+    got, _ = engine_answers(model, [turn], 2, 400, set(), cut_loops=True)
+    assert got[0][1] == "loop" and len(got[0][0]) < 300
 
 
 def test_a_resumed_training_run_keeps_its_chunks_and_exports_its_head(tmp_path, monkeypatch):
