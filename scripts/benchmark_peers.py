@@ -50,6 +50,7 @@ from scripts.benchmark_batch import divergence  # noqa: E402
 from scripts.export_hf import export_head, export_hf  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
+from tuning import COMPILE_KINDS  # noqa: E402
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # the precisions vLLM's CPU engine runs here
 PEERS_VENV = REPO_ROOT / ".venv-peers"
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int4"], default=["fp32", "bf16", "int4"],
                    help="ours at each; vLLM at fp32 and bf16 (it has no int4 CPU path here)")
     p.add_argument("--tree", default="chain-1", help="our EAGLE tree at every N (vLLM's k=1 is chain-1)")
+    p.add_argument("--kinds", nargs="+", choices=list(COMPILE_KINDS), default=["default"],
+                   help="our compile kinds (tuning.COMPILE_KINDS, generate.py --autotune off/freeze/on): engines of each")
     p.add_argument("--vllm_ks", nargs="*", type=int, default=[1], help="vLLM EAGLE draft lengths (none: vanilla only)")
     p.add_argument("--limit", type=int, help="the first N MT-bench questions (default 20; --quick 4)")
     p.add_argument("--max_new_tokens", type=int, help="default 64 (--quick 16)")
@@ -114,30 +117,35 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
     quantize.quantize_head_like(head, model)
     max_seq_len = max(map(len, prompts + longs)) + args.max_new_tokens
     sampling = generate.Sampling(0.0)
-    sessions = {}
+    sessions = {}  # (N, method, compile kind) -> engine; frozen kinds' graphs hold their cache tensors, so every
+    # engine of one N shares the model's caches (setup_caches below) and N's run one after the other
     for n in args.batch_sizes:
-        sessions[n, "vanilla"] = Engine(model, max_seq_len, n, compile=not args.quick)
-        sessions[n, "eagle"] = Engine(model, max_seq_len, n, head, parse_tree(args.tree), compile=not args.quick)
+        for kind in args.kinds:
+            config = COMPILE_KINDS[kind]
+            sessions[n, "vanilla", kind] = Engine(model, max_seq_len, n, compile=not args.quick, inductor_config=config)
+            sessions[n, "eagle", kind] = Engine(model, max_seq_len, n, head, parse_tree(args.tree),
+                                                compile=not args.quick, inductor_config=config)
     cache_len = max(s.cache_len for s in sessions.values())
     head_len = max(s.head_cache_len for s in sessions.values() if s.head_cache_len)
     for s in sessions.values():
         s.setup_caches(cache_len, head_len)
     warm = {}
-    for (n, method), s in tqdm(sessions.items(), desc=f"ours {precision} warm-up", file=sys.stderr):
+    for (n, method, kind), s in tqdm(sessions.items(), desc=f"ours {precision} warm-up", file=sys.stderr):
         start = time.perf_counter()
         s.warm_up(prompts[0], [sampling], min(16, args.max_new_tokens))  # every bucket of rows
-        warm[f"{n}-{method}"] = round(time.perf_counter() - start, 1)
+        warm[f"{n}-{method}-{kind}"] = round(time.perf_counter() - start, 1)
     order, runs = list(sessions), []
     for repeat in range(args.repeats):
-        for n, method in order[repeat % len(order):] + order[: repeat % len(order)]:
-            outs, stats = sessions[n, method].generate(prompts, args.max_new_tokens, sampling, stop_ids)
-            runs.append({"repeat": repeat, "concurrency": n, "method": "vanilla" if method == "vanilla" else args.tree,
+        for n, method, kind in order[repeat % len(order):] + order[: repeat % len(order)]:
+            outs, stats = sessions[n, method, kind].generate(prompts, args.max_new_tokens, sampling, stop_ids)
+            name = ("vanilla" if method == "vanilla" else args.tree) + ("" if kind == "default" else f" {kind}")
+            runs.append({"repeat": repeat, "concurrency": n, "method": name, "kind": kind,
                          "wall_s": stats.total_s, "outs": outs, "tau": stats.pooled_tau})
             print(f"ours {precision} N={n} {runs[-1]['method']}: {stats.tokens_per_s:.1f} tokens/s", file=sys.stderr)
     ttft = []
     for ids in longs:  # one at a time: the prefill and the first token
         start = time.perf_counter()
-        sessions[args.batch_sizes[0], "vanilla"].generate([ids], 1, sampling, stop_ids)
+        sessions[args.batch_sizes[0], "vanilla", args.kinds[0]].generate([ids], 1, sampling, stop_ids)
         ttft.append(time.perf_counter() - start)
     return {"runs": runs, "ttft_s": ttft, "warmup_s": warm, "model": model}
 
@@ -212,7 +220,8 @@ def markdown(result: dict) -> str:
         tau = f"{statistics.median(taus):.2f}" if taus else "–"
         lines.append(f"| {' | '.join(key)} | {speeds} | {tau} | {equal} |")
     if result["summary"].get("ours_over_vllm"):
-        lines += ["", "Ours over vLLM at the same precision and N (vanilla; best of ours over best of vLLM last):", "",
+        lines += ["", "Ours over vLLM at the same precision and N (vanilla, our fastest compile kind; best of ours "
+                  "over best of vLLM last):", "",
                   "| N | " + " | ".join(result["summary"]["ours_over_vllm"]) + " |",
                   "|---|" + "---|" * len(result["summary"]["ours_over_vllm"])]
         for n in m["batch_sizes"]:
@@ -233,10 +242,15 @@ def markdown(result: dict) -> str:
 
 
 def ratios(rows: list, batch_sizes: list) -> dict:
-    """Ours vanilla / vLLM vanilla per precision and N, and our best over vLLM's best at each N."""
+    """Ours vanilla (its fastest compile kind) / vLLM vanilla per precision and N, and our best over vLLM's best at
+    each N."""
     def tps(side, precision=None, method=None):
-        return {r["concurrency"]: r["tokens_per_s"] for r in rows if r["side"] == side
-                and (precision is None or r["precision"] == precision) and (method is None or r["method"] == method)}
+        out = {}
+        for r in rows:
+            if r["side"] == side and (precision is None or r["precision"] == precision) and \
+                    (method is None or r["method"].split()[0] == method):
+                out[r["concurrency"]] = max(out.get(r["concurrency"], 0.0), r["tokens_per_s"])
+        return out
     out = {}
     for precision in VLLM_DTYPES:
         a, b = tps("ours", precision, "vanilla"), tps("vllm", precision, "vanilla")
@@ -277,7 +291,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         resumed = before["metadata"].get("resumed", []) + [{"after": before["metadata"]["unfinished"],
                                                             "git": git_state(), "date": date.today().isoformat()}]
         command = before["metadata"]["command"]
-    done = {(r["side"], r["precision"], r["method"]) for r in rows}
+    done = {(r["side"], r["precision"], r["method"].split()[0]) for r in rows}
 
     def write(unfinished: Optional[str]) -> dict:
         """The results so far (after every configuration, so a run stopped midway keeps what it measured)."""
@@ -288,6 +302,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
                          "checkpoint": "tiny random model (--quick)" if args.quick else repo_relative(checkpoint),
                          "head": "tiny random head (--quick)" if args.quick else repo_relative(head_dir),
                          "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+                         "kinds": args.kinds,
                          "vllm_ks": args.vllm_ks, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
                          "long_prompt_tokens": [len(p) for p in longs], "warmup_s": warmups,
                          "wall_s": round(time.perf_counter() - started, 1), "resumed": resumed},
@@ -306,7 +321,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         if ("ours", precision, "vanilla") not in done:
             result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
             if reference is None:
-                reference = next(r["outs"] for r in result["runs"] if r["method"] == "vanilla"
+                reference = next(r["outs"] for r in result["runs"] if r["method"].startswith("vanilla")
                                  and r["concurrency"] == args.batch_sizes[0])
             model = result.pop("model")
             if precision == "fp32":

@@ -37,6 +37,8 @@ def test_ratios_pair_the_same_precision_and_concurrency():
     assert out["fp32 vanilla"] == {"1": 2.0, "8": 0.5}
     assert "bf16 vanilla" not in out  # no ours bf16 row to pair with
     assert out["best of each"] == {"1": 2.0, "8": 150.0 / 120.0}
+    rows.append(row("ours", "fp32", "vanilla frozen", 8, 130.0))  # --kinds: ours' fastest kind stands for ours
+    assert ratios(rows, [1, 8])["fp32 vanilla"] == {"1": 2.0, "8": 130.0 / 120.0}
 
 
 def test_bad_arguments_fail_in_one_line():
