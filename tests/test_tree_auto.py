@@ -413,24 +413,26 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
 
     monkeypatch.setenv("HOME", str(tmp_path))
     shipped = sorted(tuning.REFERENCE_PROFILES.glob("*.json"))
-    assert shipped, "the shipped head has no reference cost profiles"
-    reference = json.loads(shipped[0].read_text())
-    isa, threads, family = reference["isa"], reference["threads"], reference["cpu_family"]
-    monkeypatch.setattr(tuning, "instruction_set", lambda: isa)
-    monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: threads)
-    here = family if len(family.split()) == 4 else family + " model 1"  # a CPU of the family (and model) measured
-    monkeypatch.setattr(tuning, "cpu_family", lambda: here)
+    assert {p.stem for p in shipped} >= {"amx-t2", "avx512_bf16-t1", "avx512_bf16-t2"}
     config = ModelArgs()  # the default model's shape, what the reference profiles were measured on
-    assert tuning.profile_model(config) == reference["model"]
-    path, profile, other = tuning.cost_profile(config)
-    assert path == shipped[0] and profile["precisions"] == reference["precisions"] and other is None
-    assert f"reference cost profile {path.stem} of the shipped head (CPU {family})" in tuning.profile_source(path)
+    for each in shipped:  # each serves a machine of its instruction set, thread count and CPU
+        reference = json.loads(each.read_text())
+        isa, threads, family = reference["isa"], reference["threads"], reference["cpu_family"]
+        monkeypatch.setattr(tuning, "instruction_set", lambda: isa)
+        monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: threads)
+        here = family if len(family.split()) == 4 else family + " model 1"  # a CPU of the family (and model) measured
+        monkeypatch.setattr(tuning, "cpu_family", lambda: here)
+        assert tuning.profile_model(config) == reference["model"]
+        path, profile, other = tuning.cost_profile(config)
+        assert path == each and profile["precisions"] == reference["precisions"] and other is None
+        assert f"reference cost profile {path.stem} of the shipped head (CPU {family})" in tuning.profile_source(path)
+    first = shipped[-1]  # the last served: instruction set, threads and CPU still set as for it
     monkeypatch.setattr(tuning, "cpu_family", lambda: "family 1 model 1")  # another CPU of this instruction set
     assert tuning.cost_profile(config)[1] is None
     # a compile-kinds table measured on another CPU than the curves: served on that of the curves without it
     mixed = tmp_path / "references"
     mixed.mkdir()
-    (mixed / shipped[0].name).write_text(json.dumps({**reference, "cpu_family": "family 25",
+    (mixed / first.name).write_text(json.dumps({**reference, "cpu_family": "family 25",
                                                      "autotune_cpu_family": "family 26", "autotune": {"int4": {}}}))
     monkeypatch.setattr(tuning, "REFERENCE_PROFILES", mixed)
     for cpu, served, kinds in (("family 25 model 17", True, False), ("family 26 model 2", False, False)):
@@ -438,13 +440,13 @@ def test_reference_profile_serves_a_machine_without_its_own(tmp_path, monkeypatc
         profile = tuning.cost_profile(config)[1]
         assert (profile is not None) == served and (served and "autotune" in profile) == kinds
     same = {k: v for k, v in reference.items() if k != "autotune_cpu_family"}  # both measured on one CPU
-    (mixed / shipped[0].name).write_text(json.dumps({**same, "cpu_family": "family 25 model 17", "autotune": {"int4": {}}}))
+    (mixed / first.name).write_text(json.dumps({**same, "cpu_family": "family 25 model 17", "autotune": {"int4": {}}}))
     assert tuning.cost_profile(config)[1] is None  # family 26
     monkeypatch.setattr(tuning, "cpu_family", lambda: "family 25 model 160")
     assert tuning.cost_profile(config)[1] is None  # another model of the family recorded with its model
     monkeypatch.setattr(tuning, "cpu_family", lambda: "family 25 model 17")
     assert "autotune" in tuning.cost_profile(config)[1]
-    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", shipped[0].parent)
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", first.parent)
     monkeypatch.setattr(tuning, "cpu_family", lambda: here)
     monkeypatch.setattr(tuning.torch, "get_num_threads", lambda: 7)
     assert tuning.cost_profile(config)[1] is None  # no reference at 7 threads
