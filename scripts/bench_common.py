@@ -11,7 +11,7 @@ import os
 import platform
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Optional
@@ -48,6 +48,7 @@ class Item:
     question_id: str
     category: str
     turns: list  # user messages
+    history: list = field(default_factory=list)  # chat messages before the first turn (sharegpt: the first exchange)
 
 
 def package_dir(name: str) -> Path:
@@ -82,7 +83,28 @@ def load_dataset(name: str) -> list:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
         return [Item(name, r["task_id"], "humaneval", [HUMANEVAL_REQUEST.format(prompt=r["prompt"])]) for r in records]
-    raise generate.UsageError(f"unknown dataset {name!r}: mtbench, humaneval, or --questions FILE")
+    if name == "sharegpt":
+        return sharegpt_later_turns()
+    raise generate.UsageError(f"unknown dataset {name!r}: mtbench, humaneval, sharegpt, or --questions FILE")
+
+
+def sharegpt_later_turns(max_tokens: int = 1024) -> list:
+    """Later turns of held-out ShareGPT conversations (the first make_data.HELD_OUT, never trained on): each
+    conversation with a second user message is an Item whose one turn is that message, after the conversation's
+    first exchange as ShareGPT has it (the user's message and the original assistant's answer: text our target did
+    not write, as a chat app's history may hold), where that prompt has at most max_tokens tokens."""
+    from scripts.make_data import HELD_OUT, sharegpt_conversations
+    from tokenizer import Tokenizer, ensure_default_model
+
+    tokenizer = Tokenizer.load(ensure_default_model().parent)
+    items = []
+    for index, messages in enumerate(sharegpt_conversations(HELD_OUT)):
+        if len(messages) < 3 or [m["role"] for m in messages[:3]] != ["user", "assistant", "user"]:
+            continue
+        item = Item("sharegpt", f"sharegpt-{index}", "later-turn", [messages[2]["content"]], messages[:2])
+        if len(render(tokenizer, item.turns, [], item.history)) <= max_tokens:
+            items.append(item)
+    return items
 
 
 def select_questions(items: list, limit: Optional[int], per_category: Optional[int]) -> list:
@@ -255,8 +277,9 @@ def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
     return model
 
 
-def render(tokenizer, turns: list, answers: list) -> list:
-    messages = []
+def render(tokenizer, turns: list, answers: list, history=()) -> list:
+    """The chat prompt of user turns with the answers given so far, after the history's messages."""
+    messages = list(history)
     for i, user in enumerate(turns):
         messages.append({"role": "user", "content": user})
         if i < len(answers):

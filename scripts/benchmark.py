@@ -636,8 +636,9 @@ def parse_args(argv=None):
                    help="extra EAGLE methods eagle@NAME-... with other heads")
     p.add_argument("--ablation_tree", default="paper", help="the tree of the --ablation_heads methods")
     p.add_argument("--peers", action="store_true", help="add transformers generate and prompt-lookup decoding")
-    p.add_argument("--datasets", nargs="*", choices=["mtbench", "humaneval"],
-                   help="default: both (--quick: mtbench), none when --questions is given")
+    p.add_argument("--datasets", nargs="*", choices=["mtbench", "humaneval", "sharegpt"],
+                   help="default: mtbench and humaneval (--quick: mtbench), none when --questions is given; sharegpt: "
+                   "later turns of held-out ShareGPT conversations (bench_common.sharegpt_later_turns)")
     p.add_argument("--questions", type=Path, help="a JSONL in MT-bench format (question_id, category, turns)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
     p.add_argument("--limit", type=int, help="first N questions of each dataset")
@@ -822,7 +823,7 @@ def run_benchmark(args, argv):
     # the cache every session shares: the longest prompt (turn 2 with a full-length answer) + new tokens
     need = 0
     for item in items:
-        prompt = render(tokenizer, item.turns, [""] * (len(item.turns) - 1))
+        prompt = render(tokenizer, item.turns, [""] * (len(item.turns) - 1), item.history)
         need = max(need, len(prompt) + (len(item.turns) - 1) * (args.max_new_tokens + 16) + args.max_new_tokens)
     max_seq_len = args.max_seq_len or need + 64
 
@@ -955,7 +956,7 @@ def run_benchmark(args, argv):
                 answers.append(done[key]["answer"])
                 counter += 1
                 continue
-            prompt = render(tokenizer, item.turns[: turn + 1], answers)
+            prompt = render(tokenizer, item.turns[: turn + 1], answers, item.history)
             order = methods[counter % len(methods):] + methods[: counter % len(methods)]
             outputs = {}
             for position, m in enumerate(order):

@@ -164,6 +164,23 @@ def test_per_category_takes_the_first_questions_of_each_category():
     assert benchmark.select_questions(questions, 5, 1) == picked[::2][:5]
 
 
+def test_sharegpt_later_turns_are_held_out_second_turns_after_their_first_exchange():
+    """--datasets sharegpt: held-out conversations only (never trained on), each timed at its second user turn with
+    the conversation's own first exchange before it, the prompt rendered in that order."""
+    from scripts.make_data import HELD_OUT, sharegpt_conversations
+    from tokenizer import Tokenizer, ensure_default_model
+
+    items = benchmark.load_dataset("sharegpt")
+    assert len(items) >= 40 and len({i.question_id for i in items}) == len(items)
+    held_out = list(sharegpt_conversations(HELD_OUT))
+    tokenizer = Tokenizer.load(ensure_default_model().parent)
+    for item in items[:40]:
+        conversation = held_out[int(item.question_id.removeprefix("sharegpt-"))]
+        assert item.history == conversation[:2] and item.turns == [conversation[2]["content"]]
+        prompt = bench_common.render(tokenizer, item.turns, [], item.history)
+        assert prompt == tokenizer.encode_chat(conversation[:3]) and len(prompt) <= 1024
+
+
 def test_turns_keeps_the_first_turns_of_each_question(tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2+2?", "And 3+3?"]}))
