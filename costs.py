@@ -6,6 +6,7 @@ scripts/profile_costs.py (the full profile) both time through Pieces and piece_c
 import random
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -49,12 +50,15 @@ class Pieces:
     callable per piece and row count (at batch_size > 1 each piece runs its rows in every batch row, as the
     engine's batched cycle); the steps eager (mode "eager") or compiled with the row count dynamic."""
 
-    def __init__(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
+    def __init__(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1,
+                 inductor_config: Optional[dict] = None):
         self.checkpoint = None  # where the weights came from, if a caller loaded them (scripts/profile_costs.py)
-        self.prepare(model, head, mode, tag, max_rows, batch_size)
+        self.prepare(model, head, mode, tag, max_rows, batch_size, inductor_config)
 
-    def prepare(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1):
-        """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled."""
+    def prepare(self, model, head, mode: str, tag: str, max_rows: int, batch_size: int = 1,
+                inductor_config: Optional[dict] = None):
+        """model and head (bound to each other) with PREFIX random tokens cached, the steps eager or compiled
+        (inductor_config: a tuning.COMPILE_KINDS value, the kind of compile)."""
         self.model, self.head, self.batch_size = model, head, batch_size
         slots = PREFIX + max_rows + 16
         self.model.setup_caches(batch_size, slots)
@@ -67,7 +71,7 @@ class Pieces:
         self.feature = feats[:, -1:]
         self.steps = {"verify": verify_greedy, "draft": draft_step, "update": update_rows}
         if mode != "eager":
-            self.steps = {k: compiled(f, tag) for k, f in self.steps.items()}
+            self.steps = {k: compiled(f, tag, inductor_config) for k, f in self.steps.items()}
 
     def call(self, piece: str, rows: int, steps=None, rows_dynamic: bool = True):
         """A zero-argument callable running `piece` over `rows` rows (fresh inputs; the row dimension

@@ -472,28 +472,30 @@ def profile_hint(other: Optional[str]) -> str:
 
 
 @torch.no_grad()
-def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, batch_size: int = 1) -> dict:
+def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, batch_size: int = 1,
+              kind: str = "default") -> dict:
     """A quick cost profile of one precision, from the target and head a generate.py run has loaded: the four
     pieces of a cycle (costs.Pieces) at costs.CALIBRATION_ROWS (verify up to 16 rows: the trees a calibrated curve
     can choose from), medians of CALIBRATION_REPS round-robin timings, eager or compiled (rows dynamic) as the run
-    is; with batch_size > 1 the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for
-    int4 here, 4 min compiled (with the cores shared); calibrated_costs caches it. scripts/profile_costs.py's full
-    profile replaces it."""
+    is, compiled the way the run's steps are (kind: COMPILE_KINDS, --autotune; the head's steps too); with
+    batch_size > 1 the pieces of a batched cycle of that many rows (profile["batches"]). 6 s eager for int4 here,
+    4 min compiled (with the cores shared); calibrated_costs caches it. scripts/profile_costs.py's full profile
+    replaces it."""
     start = time.perf_counter()
-    pieces = costs.Pieces(model, head, mode, f"calibration_{precision}_b{batch_size}",
-                          max(costs.CALIBRATION_ROWS["verify"]), batch_size)
+    pieces = costs.Pieces(model, head, mode, f"calibration_{precision}_b{batch_size}_{kind}",
+                          max(costs.CALIBRATION_ROWS["verify"]), batch_size, COMPILE_KINDS[kind])
     measured = costs.piece_costs({precision: pieces}, costs.CALIBRATION_ROWS, costs.CALIBRATION_REPS)[0]
     return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
             "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
-            "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX, "overhead_ms": costs.OVERHEAD_MS,
+            "kind": "eager" if mode == "eager" else kind, "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX, "overhead_ms": costs.OVERHEAD_MS,
             "decode_overhead_ms": costs.DECODE_OVERHEAD_MS, "precisions": measured if batch_size == 1 else {},
             "batches": {} if batch_size == 1 else {str(batch_size): measured},
             "wall_s": round(time.perf_counter() - start, 1)}
 
 
-def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1):
+def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1, kind: str = "default"):
     """(CycleCosts, path) of this machine's quick calibration at the model's precision, this thread count and batch
     size, run now and cached if missing (calibrate: seconds eager, minutes compiled, once);
     None for an EAGLE-3 head, which profile_costs cannot time."""
@@ -503,7 +505,9 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
         return None
     precision = precision_of(model)
     full = cost_profile_path(torch.get_num_threads())  # costs-<key>.json: the calibration sits beside it
-    path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"-{mode}.json"))
+    kind = "default" if mode == "eager" else kind  # eager steps are the same whatever --autotune says
+    suffix = f"-{mode}" + (f"-{kind}" if kind != "default" else "")
+    path = full.with_name(full.name.replace("costs-", "calibration-").replace(".json", f"{suffix}.json"))
     profile = json.loads(path.read_text()) if path.is_file() else {}
     if profile.get("model") != profile_model(model.config) or not CycleCosts.in_profile(profile, precision, batch_size):
         batch = f", batch {batch_size}" if batch_size > 1 else ""
@@ -511,7 +515,7 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
               f"calibrating (once, kept in {path}) ...", end=" ", file=sys.stderr, flush=True)
         if head.lm_head is None:
             head.bind(model.output.weight)
-        fresh = calibrate(model, head, precision, mode, batch_size)
+        fresh = calibrate(model, head, precision, mode, batch_size, kind)
         if profile.get("model") == fresh["model"]:  # keep what was calibrated before
             fresh["precisions"] = {**profile.get("precisions", {}), **fresh["precisions"]}
             batches = profile.get("batches", {})
@@ -540,7 +544,8 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it"), None
     if not CycleCosts.in_profile(costs, precision, batch_size):
-        calibrated = calibrated_costs(model, *calibrate_with, batch_size) if calibrate_with and device == "cpu" else None
+        calibrated = calibrated_costs(model, *calibrate_with, batch_size, kind) if calibrate_with and device == "cpu" \
+            else None
         if calibrated is None:
             batch = f", batch {batch_size}" if batch_size > 1 else ""
             why = f"no cost profile of this machine for {precision} at {plural(threads, 'thread')}{batch}: {profile_hint(other)}"

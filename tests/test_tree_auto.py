@@ -498,6 +498,39 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
     assert "calibrating" not in capsys.readouterr().err
 
 
+def test_a_compiled_run_calibrates_in_the_compile_kind_it_runs(tmp_path, monkeypatch, capsys):
+    """--autotune freeze / on: the calibration compiles the cycle's pieces (the head's steps too) the way the run's
+    steps are compiled, and keeps it apart from the default kind's; eager runs share one whatever the kind."""
+    import torch
+
+    import costs
+    from test_eagle import copycat_head, tiny_target
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(tuning, "REFERENCE_PROFILES", tmp_path / "no-reference-profiles")
+    configs = []
+    real = costs.Pieces.prepare
+
+    def spy(self, model, head, mode, tag, max_rows, batch_size=1, inductor_config=None):
+        configs.append((mode, inductor_config))
+        return real(self, model, head, "eager", tag, max_rows, batch_size)  # timed eagerly: the test's time
+
+    monkeypatch.setattr(costs.Pieces, "prepare", spy)
+    model = tiny_target()
+    head = copycat_head(model)
+    (tmp_path / "acceptance.json").write_text(json.dumps({"p": [[0.6, 0.15, 0.08, 0.05]] * 6}))
+    with torch.no_grad():
+        for kind in ("frozen", "autotuned", "default", "frozen"):
+            tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "dynamic"), kind=kind)
+        tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager"), kind="autotuned")
+    assert configs == [("dynamic", tuning.COMPILE_KINDS["frozen"]), ("dynamic", tuning.COMPILE_KINDS["autotuned"]),
+                       ("dynamic", None), ("eager", None)]  # the second frozen run: kept from the first
+    key = tuning.cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-")
+    kept = {p.name.removeprefix(f"calibration-{key}") for p in (tmp_path / ".cache" / "eagle-fast").glob("calibration-*")}
+    assert kept == {"-dynamic-frozen.json", "-dynamic-autotuned.json", "-dynamic.json", "-eager.json"}
+    assert "calibrating" in capsys.readouterr().err
+
+
 def test_sampled_acceptance_matches_the_sampling_verifier():
     """train_eagle.sampled_acceptance (acceptance.json's temperature-1 model) gives each child's chance of being
     the one engine.accept_sampling accepts, measured by running that verifier on k children drawn without
