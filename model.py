@@ -323,10 +323,10 @@ class Attention(nn.Module):
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """One query per row (q [B, heads, 1, head_dim]) over a bf16 cache (k, v [B, kv_heads, S, head_dim]), in fp32:
-    a vanilla step of an engine given kv_dtype bf16 (scripts/make_data.py's). Written as broadcast products and sums over each kv head's slots
-    for the query heads sharing it (no per-head copy of the cache), which inductor fuses into two vectorised
-    loops; PyTorch's bf16 attention kernel is 6x slower here and its fp32 kernel on an fp32 cache 1.3x (B=16,
-    S=400, one thread, AVX-512 BF16). Slow in eager mode: meant for compiled steps."""
+    a vanilla step of an engine given kv_dtype bf16 (scripts/make_data.py's). Written as broadcast products and sums
+    over each kv head's slots for the query heads sharing it (no per-head copy of the cache), which inductor fuses
+    into two vectorised loops; PyTorch's bf16 attention kernel is 6x slower here and its fp32 kernel on an fp32
+    cache 1.3x (B=16, S=400, one thread, AVX-512 BF16). Slow in eager mode: meant for compiled steps."""
     B, H, _, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, kv_heads, H // kv_heads, 1, D).float() * D ** -0.5  # the query heads of each kv head
