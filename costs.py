@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from engine import compile_step, draft_step, update_rows, verify_rows
+from engine import (Sampling, accept_greedy, accept_sampling, argmax_tokens, compile_step, draft_step, sample,
+                    update_rows, verify_rows)
 from model import causal_mask
 
 ROWS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64]
@@ -144,3 +145,50 @@ def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.thread_time() - start_cpu)
     return {name: median_ms(t) for name, t in cpu.items()}, {name: median_ms(t) for name, t in wall.items()}
+
+
+SAMPLING_NODES = [2, 3, 5, 9, 17]  # a cycle's nodes (root included): chain-1, chain-2, chain-4, ...
+
+
+def sampling_costs(vocab_size: int, draft_vocab: int, reps: int = 21, seed: int = 0) -> dict:
+    """Host work a step does at temperature > 0 beyond its greedy twin, medians of this thread's ms, timed on the
+    engine's own functions with random logits, as Engine's steps call them: "decode_ms", a vanilla step's
+    argmax and draw (engine.sample) on the step's logits, against reading the tokens a greedy graph returns;
+    "cycle_ms"[n], a cycle of n nodes (a chain): the draft's law over the vocabulary (Sampling.probs of the
+    head's logits, placed in a [n, vocab] table as Engine._draft does) and its draws, then
+    engine.accept_sampling, against accept_greedy on the greedy graph's tokens. tuning.CycleCosts adds them
+    where it prices sampling (greedy=False)."""
+    g = torch.Generator().manual_seed(seed)
+    s = Sampling.seeded(1.0, seed=seed)
+    logits = torch.randn(max(SAMPLING_NODES), vocab_size, generator=g) * 4
+    head_logits = torch.randn(max(SAMPLING_NODES), draft_vocab, generator=g) * 4
+    vocab_ids = torch.randperm(vocab_size, generator=g)[:draft_vocab]
+
+    greedy_tokens = argmax_tokens(logits)  # greedy steps take their tokens from the graph (the argmax is in it)
+
+    def cycle(n: int, greedy: bool):
+        tokens, parents, children = list(range(n)), [0] + list(range(n - 1)), [[i + 1] for i in range(n - 1)] + [[]]
+        if greedy:
+            return lambda: accept_greedy(tokens, greedy_tokens[:n].tolist(), parents)
+
+        def run():
+            draft_probs = torch.zeros(n, vocab_size)
+            q = s.probs(head_logits[: n - 1])
+            draft_probs[torch.arange(n - 1)[:, None], vocab_ids] = q
+            s.draw(q)
+            return accept_sampling(tokens, logits[:n], children, s, draft_probs)
+        return run
+
+    rows = torch.tensor([0])
+
+    def sampled_step():  # as Engine._vanilla_step on the step's logits [rows, vocab]
+        return argmax_tokens(logits[:1]).index_put_((rows,), sample(logits[rows], s)).tolist()
+
+    jobs = {("decode", True): lambda: greedy_tokens[:1].tolist(), ("decode", False): sampled_step}
+    for n in SAMPLING_NODES:
+        jobs[n, True], jobs[n, False] = cycle(n, True), cycle(n, False)
+    for job in jobs.values():
+        job()
+    ms = timed_round_robin(jobs, reps, seed)[0]
+    extra = {name: round(max(0.0, ms[name, False] - ms[name, True]), 4) for name in ["decode"] + SAMPLING_NODES}
+    return {"decode_ms": extra.pop("decode"), "cycle_ms": {str(n): v for n, v in extra.items()}}

@@ -244,6 +244,7 @@ class CycleCosts:
     move: dict
     overhead_ms: float = 0.0
     decode_overhead_ms: float = 0.0
+    sampling: dict = field(default_factory=dict)  # T > 0 only: costs.sampling_costs' host work (empty: unpriced)
     curves: dict = field(init=False, repr=False)  # the four as sorted (rows, ms) pairs, for `along`
 
     def __post_init__(self):
@@ -251,17 +252,24 @@ class CycleCosts:
                        for name in ("verify", "draft", "update", "move")}
 
     @classmethod
-    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, kind: str = "default") -> "CycleCosts":
+    def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, kind: str = "default",
+                     greedy: bool = True) -> "CycleCosts":
         """One precision ("fp32", "bf16", "int8", "int4") of a profile_costs.py JSON; batch_size > 1: its
         batched cycle's pieces (profile["batches"]), the host work taken as that of one row times the rows
         (each row's accept and commit are its own Python work). kind: how the target's steps are compiled
-        (generate.py --autotune: "default", "frozen" or "autotuned"), the verify curve scaled by frozen_ratio."""
+        (generate.py --autotune: "default", "frozen" or "autotuned"), the verify curve scaled by frozen_ratio.
+        greedy False: sampling's host work (profile["sampling"], where measured) is added to a step and a cycle."""
         c = profile["precisions"][precision] if batch_size == 1 else profile["batches"][str(batch_size)][precision]
         verify = c["verify_ms"]
         if kind != "default" and batch_size == 1:
             verify = {n: ms * frozen_ratio(profile, precision, int(n), kind) for n, ms in verify.items()}
+        sampling = {} if greedy else profile.get("sampling", {})
+        if sampling and batch_size > 1:  # each row draws and accepts on its own
+            sampling = {"decode_ms": sampling["decode_ms"] * batch_size,
+                        "cycle_ms": {n: ms * batch_size for n, ms in sampling["cycle_ms"].items()}}
         return cls(verify, c["draft_ms"], c["update_ms"], c["move_ms"],
-                   profile.get("overhead_ms", 0.0) * batch_size, profile.get("decode_overhead_ms", 0.0) * batch_size)
+                   profile.get("overhead_ms", 0.0) * batch_size, profile.get("decode_overhead_ms", 0.0) * batch_size,
+                   sampling)
 
     @staticmethod
     def in_profile(profile: Optional[dict], precision: str, batch_size: int = 1) -> bool:
@@ -273,7 +281,7 @@ class CycleCosts:
 
     @property
     def decode_ms(self) -> float:
-        return along(self.curves["verify"], 1) + self.decode_overhead_ms
+        return along(self.curves["verify"], 1) + self.decode_overhead_ms + self.sampling.get("decode_ms", 0.0)
 
     def cycle_ms(self, paths, lookup: int = 0) -> float:
         """A cycle of the tree `paths` with a context branch of `lookup` nodes (whose accepted path is not
@@ -283,8 +291,12 @@ class CycleCosts:
             widths[len(q) - 1] += 1
         depth, in_place = max(len(widths), lookup), all(w == 1 for w in widths) and not lookup
         c = self.curves
-        return (along(c["verify"], len(paths) + 1 + lookup) + sum(along(c["draft"], w) for w in widths[:-1])
-                + along(c["update"], depth + 1) + (0.0 if in_place else along(c["move"], depth + 1)) + self.overhead_ms)
+        nodes = len(paths) + 1 + lookup
+        sampled = along(sorted((int(n), ms) for n, ms in self.sampling["cycle_ms"].items()), nodes) \
+            if self.sampling else 0.0
+        return (along(c["verify"], nodes) + sum(along(c["draft"], w) for w in widths[:-1])
+                + along(c["update"], depth + 1) + (0.0 if in_place else along(c["move"], depth + 1)) + self.overhead_ms
+                + sampled)
 
 
 def reach(paths, p) -> list:
@@ -490,12 +502,15 @@ def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, ba
             "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
             "kind": "eager" if mode == "eager" else kind, "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX, "overhead_ms": costs.OVERHEAD_MS,
-            "decode_overhead_ms": costs.DECODE_OVERHEAD_MS, "precisions": measured if batch_size == 1 else {},
+            "decode_overhead_ms": costs.DECODE_OVERHEAD_MS, "sampling": costs.sampling_costs(
+                model.config.vocab_size, model.config.vocab_size if head.draft_vocab is None else len(head.draft_vocab)),
+            "precisions": measured if batch_size == 1 else {},
             "batches": {} if batch_size == 1 else {str(batch_size): measured},
             "wall_s": round(time.perf_counter() - start, 1)}
 
 
-def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1, kind: str = "default"):
+def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size: int = 1, kind: str = "default",
+                     greedy: bool = True):
     """(CycleCosts, path) of this machine's quick calibration at the model's precision, this thread count and batch
     size, run now and cached if missing (calibrate: seconds eager, minutes compiled, once);
     None for an EAGLE-3 head, which profile_costs cannot time."""
@@ -526,16 +541,16 @@ def calibrated_costs(model: Transformer, head: EagleHead, mode: str, batch_size:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(profile, indent=1))
         print(f"{profile['wall_s']:.0f} s", file=sys.stderr)
-    return CycleCosts.from_profile(profile, precision, batch_size), path
+    return CycleCosts.from_profile(profile, precision, batch_size, greedy=greedy), path
 
 
 def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with: Optional[tuple] = None,
-                 batch_size: int = 1, kind: str = "default"):
+                 batch_size: int = 1, kind: str = "default", greedy: bool = True):
     """What --tree auto predicts from: this machine's cost model at the model's precision and this thread
     count (scripts/profile_costs.py) and the head's acceptance model (acceptance.json beside it, written by
     scripts/train_eagle.py eval); with calibrate_with = (head, mode) and no profile for this precision, a quick
     calibration of this machine (calibrated_costs); batch_size > 1: the batched cycle's costs; kind: of steps
-    compiled so (COMPILE_KINDS, --autotune; frozen_ratio). Returns (CycleCosts, acceptance dict, the
+    compiled so (COMPILE_KINDS, --autotune; frozen_ratio); greedy False: sampling's host work priced too. Returns (CycleCosts, acceptance dict, the
     profile's path), or (None, why not: one line, None)."""
     precision, threads, acceptance = precision_of(model), torch.get_num_threads(), head_dir / "acceptance.json"
     path, profile, other = cost_profile(model.config)
@@ -544,14 +559,15 @@ def cycle_models(head_dir: Path, model: Transformer, device: str, calibrate_with
         return None, (f"{acceptance.name} is missing beside the head: python scripts/train_eagle.py eval --head "
                       f"{head_dir} writes it"), None
     if not CycleCosts.in_profile(costs, precision, batch_size):
-        calibrated = calibrated_costs(model, *calibrate_with, batch_size, kind) if calibrate_with and device == "cpu" \
-            else None
+        calibrated = calibrated_costs(model, *calibrate_with, batch_size, kind, greedy) \
+            if calibrate_with and device == "cpu" else None
         if calibrated is None:
             batch = f", batch {batch_size}" if batch_size > 1 else ""
             why = f"no cost profile of this machine for {precision} at {plural(threads, 'thread')}{batch}: {profile_hint(other)}"
             return None, why, None
         return calibrated[0], json.loads(acceptance.read_text()), calibrated[1]
-    return CycleCosts.from_profile(costs, precision, batch_size, kind), json.loads(acceptance.read_text()), path
+    return (CycleCosts.from_profile(costs, precision, batch_size, kind, greedy), json.loads(acceptance.read_text()),
+            path)
 
 
 def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool = True,
@@ -569,7 +585,7 @@ def fastest_precision(config: ModelArgs, head_dir: Optional[Path], greedy: bool 
     speeds = {}
     for precision in profile["precisions"]:
         kind = AUTOTUNE_CHOICES.get(autotune) or auto_compile_kind(profile, precision)
-        costs = CycleCosts.from_profile(profile, precision, kind=kind)
+        costs = CycleCosts.from_profile(profile, precision, kind=kind, greedy=greedy)
         gain = best_tree(acceptance, costs, greedy).speedup if acceptance else 1.0
         speeds[precision + f" {kind}" * (kind != "default")] = 1000 / costs.decode_ms * gain
     best = max(speeds, key=speeds.get)
@@ -601,7 +617,7 @@ def auto_tree_choice(head_dir: Path, model: Transformer, device: str, greedy: bo
     repeats itself less (on the 80 MT-bench first turns at T=1 chain-1+lookup-2 ran at 0.91x where chain-1 ran
     at 1.04x). batch_size > 1: the tree for batched cycles of that many rows (the paper: a larger batch wants a
     smaller tree). kind: for steps compiled so (COMPILE_KINDS, --autotune), whose rows cost otherwise."""
-    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, kind)
+    costs, acceptance, path = cycle_models(head_dir, model, device, calibrate_with, batch_size, kind, greedy)
     if costs is None:
         print(f"tree auto: chain-1 ({acceptance})", file=sys.stderr)
         return None

@@ -377,7 +377,8 @@ def predicted_against_measured(group: dict, methods: list, targets: dict, runs: 
         twin, tree = f"vanilla-{m.dtype}-{mode_name(m)}", m.tree if greedy else m.sampling_tree or m.tree
         if m.kind != "eagle" or not m.compiled or tree.startswith("dynamic") or twin not in {x.name for x in methods}:
             continue
-        costs, acceptance, _ = tuning.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind)
+        costs, acceptance, _ = tuning.cycle_models(Path(m.head), targets[m.dtype], device, kind=m.compile_kind,
+                                                   greedy=greedy)
         if costs is None:
             continue
         tau, speedup = predict(tree, tuning.acceptance_p(acceptance, greedy), costs,

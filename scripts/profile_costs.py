@@ -24,8 +24,9 @@ update_rows, compiled by engine.compile_step with tuning.COMPILE_KINDS' settings
 fixed-shape verifies compiled each of tuning.COMPILE_KINDS' ways (default; weights frozen; frozen and
 inductor's max-autotune) are timed against each other (autotune_table); `autotune[precision].auto`, the fastest
 kind at least AUTOTUNE_MARGIN faster than the default among those inductor's on-disk cache keeps, is what
-generate.py --compile --autotune auto follows. overhead_ms and decode_overhead_ms (host work of a
-cycle / of a vanilla step beyond these forwards) are arguments, from generate.py's phase times (defaults:
+generate.py --compile --autotune auto follows. sampling: the host work of a step and a cycle at T > 0 beyond
+greedy's (costs.sampling_costs). overhead_ms and decode_overhead_ms (host work of a cycle / of a vanilla step
+beyond these forwards) are arguments, from generate.py's phase times (defaults:
 this machine's, see main).
 
 The JSON is keyed by instruction set (amx / avx512_bf16 / avx512 / avx2, from /proc/cpuinfo), thread
@@ -53,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer  # noqa: E402
 from costs import (BATCH_ROWS, DECODE_OVERHEAD_MS, OVERHEAD_MS, PIECES, PREFIX, ROWS, TOP_K, Pieces,  # noqa: E402
-                   compiled, piece_costs, rows_of, timed_round_robin, verify_greedy)
+                   compiled, piece_costs, rows_of, sampling_costs, timed_round_robin, verify_greedy)
 from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, cpu_name, instruction_set, profile_model  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -254,6 +255,7 @@ def main(argv=None):
         costs, wall_costs = piece_costs(pieces, BATCH_ROWS, args.reps, seed=3)
         batches[str(batch_size)] = {precision: {**c, "wall_ms": wall_costs[precision]} for precision, c in costs.items()}
         print(f"batch {batch_size}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    model, head = next(iter(pieces.values())).model, next(iter(pieces.values())).head
     profile = {
         "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(),
         "cpu_family": cpu_family(), "threads": args.threads,
@@ -266,6 +268,8 @@ def main(argv=None):
         "clock": "median thread CPU time per call (wall_ms: median wall time)",
         "mode": "compiled, rows dynamic (1 row: its own graph)" if args.mode == "dynamic" else "eager",
         "overhead_ms": args.overhead_ms, "decode_overhead_ms": args.decode_overhead_ms,
+        "sampling": sampling_costs(model.config.vocab_size, model.config.vocab_size if head.draft_vocab is None
+                                   else len(head.draft_vocab), args.reps),
         "precisions": {precision: {
             "checkpoint": shown(pc.checkpoint), "dtype": str(pc.model.tok_embeddings.weight.dtype),
             **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},

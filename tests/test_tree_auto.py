@@ -153,6 +153,29 @@ def test_from_profile_reads_a_profile_costs_json():
     assert paths and speedup == pytest.approx(tau / c.cycle_ms(paths) * c.decode_ms)
 
 
+def test_sampling_host_work_is_priced_at_temperature_above_zero():
+    """profile["sampling"] (costs.sampling_costs: the engine's draws and lossless acceptance, timed here) adds to a
+    vanilla step and to a cycle by its node count when greedy=False, once per row in a batch; greedy pricing and
+    profiles without it are unchanged."""
+    import costs
+
+    measured = costs.sampling_costs(512, 128, reps=3)
+    assert measured["decode_ms"] >= 0 and set(measured["cycle_ms"]) == {str(n) for n in costs.SAMPLING_NODES}
+    assert all(v >= 0 for v in measured["cycle_ms"].values())
+    one = {"verify_ms": {"1": 10.0, "4": 11.0}, "draft_ms": {"1": 0.5}, "update_ms": {"2": 1.0, "9": 1.2},
+           "move_ms": {"2": 0.1, "9": 0.1}}
+    profile = {"overhead_ms": 0.5, "decode_overhead_ms": 0.2, "precisions": {"int4": one},
+               "batches": {"2": {"int4": one}}, "sampling": {"decode_ms": 0.3, "cycle_ms": {"2": 0.5, "5": 1.1}}}
+    greedy, sampled = (CycleCosts.from_profile(profile, "int4", greedy=g) for g in (True, False))
+    assert sampled.decode_ms == pytest.approx(greedy.decode_ms + 0.3)
+    assert sampled.cycle_ms([[0]]) == pytest.approx(greedy.cycle_ms([[0]]) + 0.5)  # 2 nodes
+    assert sampled.cycle_ms([[0], [0, 0], [0, 0, 0]]) == pytest.approx(greedy.cycle_ms([[0], [0, 0], [0, 0, 0]]) + 0.9)
+    two = CycleCosts.from_profile(profile, "int4", 2, greedy=False)
+    assert two.decode_ms == pytest.approx(CycleCosts.from_profile(profile, "int4", 2).decode_ms + 2 * 0.3)
+    del profile["sampling"]
+    assert CycleCosts.from_profile(profile, "int4", greedy=False).cycle_ms([[0]]) == greedy.cycle_ms([[0]])
+
+
 def test_batched_costs_choose_for_the_batch_size():
     """profile["batches"][B] holds the batched cycle's pieces: from_profile(..., B) reads them and counts the host
     work once per row; where a batch's verify grows with its rows (matmuls no longer spare), the tree chosen for
@@ -479,6 +502,7 @@ def test_a_machine_with_no_profile_calibrates_once(tmp_path, monkeypatch, capsys
     assert saved["model"] == tuning.profile_model(model.config) and set(saved["precisions"]) == {"fp32"}
     assert saved["cpu_family"] == tuning.cpu_family()  # what a profile holds for
     assert all(v > 0 for v in saved["precisions"]["fp32"]["verify_ms"].values())
+    assert saved["sampling"]["decode_ms"] >= 0 and saved["sampling"]["cycle_ms"]  # priced at T > 0
     with torch.no_grad():
         assert tuning.auto_tree_for(tmp_path, model, "cpu", calibrate_with=(head, "eager")) == spec
     assert "calibrating" not in capsys.readouterr().err
