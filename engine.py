@@ -452,12 +452,16 @@ class Adaptation:
     head's acceptance model's, where --tree auto had one). It speculates while tau / t_cycle beats 1 / t_step;
     after MIN_RUN cycles below that by the margin it decodes plainly, probing with PROBE cycles after `wait`
     plain steps, the wait doubling while probes lose (up to MAX_WAIT), so that text where speculation pays again
-    is found. The choice reads only the past, so either way every token is the target's (greedy: vanilla's;
-    sampling: its law)."""
+    is found. While it speculates, one plain step every REFRESH cycles keeps the price of the alternative current
+    (a plain step is timed only when one runs: a noisy first price, or a machine whose load changed, would
+    otherwise stand for the whole run). The choice reads only the past, so either way every token is the
+    target's (greedy: vanilla's; sampling: its law)."""
     MARGIN = 0.03
-    ALPHA = 0.1  # weight of the newest measurement in a moving average (one cycle's tau is a noisy 1..depth+1)
+    ALPHA = 0.1  # weight of the newest tau in its moving average (one cycle's tau is a noisy 1..depth+1)
+    ALPHA_TIME = 0.25  # and of the newest wall time in theirs
     MIN_RUN, PROBE = 8, 4  # cycles before a switch to plain steps; cycles of a probe
     FIRST_WAIT, MAX_WAIT = 8, 128
+    REFRESH = 32  # cycles between the plain steps that re-price one while speculating
 
     def __init__(self, prior_tau: Optional[float] = None):
         self.prior_tau = prior_tau
@@ -469,6 +473,7 @@ class Adaptation:
         self.t_cycle: dict = {}  # bucket -> seconds of a cycle
         self.seen: dict = {}  # (cycle, bucket) -> steps recorded (the first of each is not timed: a cold start)
         self.switches = 0
+        self.unpriced = 0  # cycles since the last plain step
         self.new_text()
 
     def new_text(self):
@@ -478,7 +483,7 @@ class Adaptation:
 
     def speculate(self, bucket: int) -> bool:
         """The choice for the next step of `bucket` rows (plain steps first, to price one)."""
-        if bucket not in self.t_step:
+        if bucket not in self.t_step or (self.speculating and self.unpriced >= self.REFRESH):
             return False
         if self.speculating or self.probing or bucket not in self.t_cycle or self.tau is None:
             return True
@@ -496,13 +501,14 @@ class Adaptation:
     def record(self, bucket: int, cycle: bool, seconds: float, tau: Optional[float] = None):
         """A step's wall time (and a cycle's tokens per row), and the switch it calls for. The first step of each
         kind and bucket is not timed (its first run allocates, and eager kernels warm up: 2x slower here)."""
-        ema = lambda old, new: new if old is None else old + self.ALPHA * (new - old)  # noqa: E731
+        ema = lambda old, new, alpha: new if old is None else old + alpha * (new - old)  # noqa: E731
         self.seen[cycle, bucket] = self.seen.get((cycle, bucket), 0) + 1
         if cycle and tau is not None:
-            self.tau = ema(self.tau, tau)
+            self.tau = ema(self.tau, tau, self.ALPHA)
         if self.seen[cycle, bucket] > 1:
             times = self.t_cycle if cycle else self.t_step
-            times[bucket] = ema(times.get(bucket), seconds)
+            times[bucket] = ema(times.get(bucket), seconds, self.ALPHA_TIME)
+        self.unpriced = self.unpriced + 1 if cycle else 0
         if not cycle:
             return
         gain = self.gain(bucket)

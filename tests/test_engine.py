@@ -422,7 +422,8 @@ def test_reprimed_head_predicts_as_after_a_prefill(spec):
 def test_adaptation_follows_what_steps_cost_and_commit():
     """Plain steps are priced first (the first step of each kind untimed); cycles go on while tau per cycle time
     beats a plain step's pace; after MIN_RUN cycles below it by the margin the engine decodes plainly, probing with
-    PROBE cycles after 8, 16, 32 ... plain steps, until a probe's text pays again."""
+    PROBE cycles after 8, 16, 32 ... plain steps, until a probe's text pays again; speculating, it re-prices a
+    plain step every REFRESH cycles."""
     a = engine.Adaptation(prior_tau=2.0)
     assert not a.speculate(1)
     a.record(1, False, 0.100)  # a first step is not timed (a cold start)
@@ -452,6 +453,14 @@ def test_adaptation_follows_what_steps_cost_and_commit():
         probe(4.0)
         probes += 1
     assert a.switches == 2 and probes <= 3 and a.wait == a.FIRST_WAIT
+    # while it speculates, a plain step every REFRESH cycles re-prices the alternative (a load change shows)
+    a.record(1, False, 0.010)
+    for _ in range(a.REFRESH):
+        assert a.speculate(1)
+        a.record(1, True, 0.025, 4.0)
+    assert not a.speculate(1)
+    a.record(1, False, 0.012)
+    assert a.speculate(1) and a.t_step[1] == pytest.approx(0.010 + a.ALPHA_TIME * 0.002) and a.speculating
     a.reset()
     assert a.tau == 2.0 and not a.t_step and not a.speculate(1)
 
