@@ -34,8 +34,8 @@ from tuning import cpu_family, instruction_set  # noqa: E402
 QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int4f": ("int4", False)}  # mode, LM head too
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          **{precision: torch.bfloat16 for precision in QUANTIZED}}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                    **{precision: torch.bfloat16 for precision in QUANTIZED}}
 
 
 HUMANEVAL_REQUEST = ("Complete the following Python function. Reply with the whole function in one "
@@ -270,7 +270,7 @@ def json_safe(x):
 
 
 def load_target(checkpoint: Path, precision: str, device: str) -> Transformer:
-    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=DTYPES[precision])
+    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=PRECISION_DTYPES[precision])
     if precision in QUANTIZED:
         mode, lm_head = QUANTIZED[precision]
         quantize.quantize_model(model, quantize.handler_for(mode), quantize_lm_head=lm_head)

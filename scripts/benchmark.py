@@ -66,8 +66,8 @@ from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 import tuning  # noqa: E402
 from tuning import predict  # noqa: E402
-from scripts.bench_common import (DTYPES, HUMANEVAL_REQUEST, QUANTIZED, build_quick_checkpoint, default_out,  # noqa: E402
-                                  git_state, head_record, json_safe, load_dataset, load_target, machine_info,
+from scripts.bench_common import (HUMANEVAL_REQUEST, PRECISION_DTYPES, QUANTIZED, build_quick_checkpoint,  # noqa: E402
+                                  default_out, git_state, head_record, json_safe, load_dataset, load_target, machine_info,
                                   package_dir, read_questions, render, repo_relative, select_questions, tensor_mb)
 
 PEER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -624,7 +624,7 @@ def parse_args(argv=None):
     p.add_argument("--speedup", choices=["tokens", "decode"], default="tokens", help="per-prompt speedup from "
                    "tokens/s (prefill included) or from the decode rate (tokens after the first per second after it, "
                    "prefill apart: fair where the two outputs differ in length)")
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES),
+    p.add_argument("--dtypes", nargs="+", choices=list(PRECISION_DTYPES),
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
                    "(int4f: int4 with the LM head in bf16) "
                    "(default: fp32 bf16 int8 int4; --quick: fp32 bf16)")
@@ -836,7 +836,7 @@ def run_benchmark(args, argv):
             targets[m.dtype] = load_target(checkpoint, m.dtype, device)
         if m.kind == "eagle":
             if (m.head, m.dtype) not in heads:
-                head = load_head(m.head, device=device, dtype=DTYPES[m.dtype])  # EAGLE-1/2 or EAGLE-3
+                head = load_head(m.head, device=device, dtype=PRECISION_DTYPES[m.dtype])  # EAGLE-1/2 or EAGLE-3
                 head.check_fits(targets[m.dtype].config, targets[m.dtype].config.vocab_size)
                 quantize.quantize_head_like(head, targets[m.dtype])
                 heads[m.head, m.dtype] = head
@@ -854,7 +854,7 @@ def run_benchmark(args, argv):
                 trees[spec] = trees.get(spec) or parse_tree(spec).to(device)
             m.num_nodes, m.max_depth = trees[m.tree].num_nodes, trees[m.tree].max_depth
         if m.kind.startswith("hf") and m.dtype not in peers:
-            peers[m.dtype] = load_peer(DTYPES[m.dtype], device)
+            peers[m.dtype] = load_peer(PRECISION_DTYPES[m.dtype], device)
     if any(m.compiled for m in methods):
         for limit in ("recompile_limit", "accumulated_recompile_limit"):
             if hasattr(torch._dynamo.config, limit):  # one graph per tree level shape, dtype and tree

@@ -49,9 +49,9 @@ import quantize  # noqa: E402
 from engine import Engine  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from model import causal_mask  # noqa: E402
-from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, git_state, head_record, json_safe,  # noqa: E402
-                                  load_dataset, load_target, machine_info, read_questions, render, repo_relative,
-                                  select_questions, tensor_mb)
+from scripts.bench_common import (PRECISION_DTYPES, build_quick_checkpoint, default_out, git_state,  # noqa: E402
+                                  head_record, json_safe, load_dataset, load_target, machine_info, read_questions,
+                                  render, repo_relative, select_questions, tensor_mb)
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 import tuning  # noqa: E402
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 2, 4, 8])
     p.add_argument("--checkpoint", type=Path, help="model.pth or its directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", type=Path, help="EAGLE head directory (default: the shipped head)")
-    p.add_argument("--precision", choices=list(DTYPES), default="int4",
+    p.add_argument("--precision", choices=list(PRECISION_DTYPES), default="int4",
                    help="the target's precision (benchmark.py's: int4 = int4 weights, bf16 activations)")
     p.add_argument("--mode", choices=["compiled", "eager"], help="default: compiled (--quick: eager)")
     p.add_argument("--tree", default="auto", help="EAGLE tree at every batch size (default auto: chosen per batch size)")
@@ -206,7 +206,7 @@ def run(args, argv) -> dict:
     sampling = generate.Sampling(args.temperature)
 
     model = load_target(checkpoint, args.precision, "cpu")
-    head = EagleHead.load(head_dir, dtype=DTYPES[args.precision])
+    head = EagleHead.load(head_dir, dtype=PRECISION_DTYPES[args.precision])
     head.check_fits(model.config, model.config.vocab_size)
     quantize.quantize_head_like(head, model)
     compiled = args.mode == "compiled"

@@ -44,8 +44,8 @@ import generate  # noqa: E402
 import quantize  # noqa: E402
 from engine import Engine  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
-from scripts.bench_common import (DTYPES, build_quick_checkpoint, default_out, git_state, json_safe, load_dataset,  # noqa: E402
-                                  load_target, machine_info, render, repo_relative, select_questions)
+from scripts.bench_common import (PRECISION_DTYPES, build_quick_checkpoint, default_out, git_state,  # noqa: E402
+                                  json_safe, load_dataset, load_target, machine_info, render, repo_relative, select_questions)
 from scripts.benchmark_batch import divergence  # noqa: E402
 from scripts.export_hf import export_head, export_hf  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -113,7 +113,7 @@ def tokens_per_s(new_tokens: int, wall_s: float) -> float:
 def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, longs: list, stop_ids) -> dict:
     """Our engines at one precision: {"runs": [...], "ttft_s": [...], "warmup_s": {...}}."""
     model = load_target(checkpoint, precision, "cpu")
-    head = EagleHead.load(head_dir, dtype=DTYPES[precision])
+    head = EagleHead.load(head_dir, dtype=PRECISION_DTYPES[precision])
     quantize.quantize_head_like(head, model)
     max_seq_len = max(map(len, prompts + longs)) + args.max_new_tokens
     sampling = generate.Sampling(0.0)

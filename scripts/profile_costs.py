@@ -59,13 +59,13 @@ from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, cpu_name, instr
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
 HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
-PRECISIONS = {"fp32": ("model.pth", torch.float32), "bf16": ("model.pth", torch.bfloat16),
-              "int8": ("model_int8.pth", None), "int4": ("model_int4.g32.pth", None)}
+PRECISION_FILES = {"fp32": ("model.pth", torch.float32), "bf16": ("model.pth", torch.bfloat16),
+                   "int8": ("model_int8.pth", None), "int4": ("model_int4.g32.pth", None)}
 AUTOTUNE_MARGIN = 0.05  # a frozen kind is taken where it is at least 5% faster (it costs compile time)
 def load_pieces(precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR) -> Pieces:
     """One precision's target (model.pth, or quantize.py's file) and the head, bound as generate.py binds them, as
     Pieces with all of ROWS."""
-    name, dtype = PRECISIONS[precision]
+    name, dtype = PRECISION_FILES[precision]
     checkpoint = checkpoint_dir / name
     if dtype is None:  # quantize.py's files
         from quantize import load_quantized
@@ -178,7 +178,7 @@ def main(argv=None):
                    help="the target's directory (model.pth, quantize.py's files; default: SmolLM2-135M-Instruct)")
     p.add_argument("--eagle_head", type=Path, default=HEAD_DIR, help="an EAGLE-1 head for it (default: the shipped one)")
     p.add_argument("--plot", type=Path, help="also write a plot of the curves here (PNG)")
-    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--precisions", nargs="+", default=list(PRECISION_FILES), choices=list(PRECISION_FILES))
     p.add_argument("--mode", choices=["dynamic", "eager"], default="dynamic",
                    help="dynamic: compiled once with the row count dynamic; eager: not compiled")
     p.add_argument("--reps", type=int, default=15)
@@ -206,8 +206,8 @@ def main(argv=None):
     start, load_before = time.perf_counter(), os.getloadavg()
     pieces, compile_s = {}, {}
     for precision in args.precisions:
-        weights = args.checkpoint / PRECISIONS[precision][0]
-        if not weights.is_file() and PRECISIONS[precision][1] is None and (args.checkpoint / "model.pth").is_file():
+        weights = args.checkpoint / PRECISION_FILES[precision][0]
+        if not weights.is_file() and PRECISION_FILES[precision][1] is None and (args.checkpoint / "model.pth").is_file():
             from quantize import quantized_checkpoint  # int8 / int4: quantize.py's file, made once
 
             quantized_checkpoint(args.checkpoint / "model.pth", precision)
