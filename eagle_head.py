@@ -1,6 +1,7 @@
-"""The EAGLE-1 draft head ("Autoregression Head") and its official checkpoint format.
+"""The EAGLE draft heads and their official checkpoint formats: EagleHead (EAGLE-1, "Autoregression Head",
+below) and Eagle3Head (EAGLE-3, further down), both DraftHeads.
 
-At draft position i the head reads the target's feature f_i (post-final-norm hidden state) and the
+EAGLE-1: at draft position i the head reads the target's feature f_i (post-final-norm hidden state) and the
 embedding of the token *after* it, t_{i+1}: x_i = fc(concat(embed(t_{i+1}), f_i)). One LLaMA decoder
 layer without input RMSNorm and final norm turns x_i into a prediction of f_{i+1}; the target's LM head
 (reused and frozen, as its embedding) maps it to the draft distribution of t_{i+2}.
@@ -37,7 +38,45 @@ from model import (Attention, CheckpointError, FeedForward, KVCache, ModelArgs, 
 INPUT_MODES = ("shifted", "unshifted", "feature", "token")
 
 
-class EagleHead(nn.Module):
+class DraftHead(nn.Module):
+    """What both head kinds (EagleHead, Eagle3Head) share: their attention layers' KV caches and rotary tables
+    (set up from self.fc, self.config and self.attentions()), the calls the engine and training make on either."""
+
+    def attentions(self) -> list:
+        raise NotImplementedError
+
+    def kv_caches(self) -> list:
+        return [a.kv_cache for a in self.attentions()]
+
+    def set_kv_caches(self, make: Callable[[], Optional[nn.Module]]):
+        """Give every layer's attention a cache of its own from make() (None: no cache, whole-sequence training)."""
+        for a in self.attentions():
+            a.kv_cache = make()
+
+    def clear_kv_caches(self):
+        """No cache in any layer: whole-sequence training and evaluation (setup_caches makes them again)."""
+        self.set_kv_caches(lambda: None)
+
+    def setup_caches(self, max_seq_len: int, dtype=None, batch_size: int = 1):
+        cache = self.attention.kv_cache
+        if self.max_seq_len == max_seq_len and cache is not None and cache.k_cache.shape[0] == batch_size:
+            return
+        weight, c = self.fc.weight, self.config
+        dtype = dtype or cache_dtype(weight.dtype, weight.device)
+        self.set_kv_caches(lambda: KVCache(batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device))
+        self.setup_rope(max_seq_len)
+
+    def setup_rope(self, max_seq_len: int, dtype=None):
+        """Rotary tables only: training runs whole sequences with no KV cache."""
+        dtype, device, c = dtype or self.fc.weight.dtype, self.fc.weight.device, self.config
+        self.max_seq_len = max_seq_len
+        cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+
+class EagleHead(DraftHead):
+    """The EAGLE-1 head: one decoder layer over fc(concat(embed(t_{i+1}), f_i)), the target's LM head (see above)."""
     feature_layers = None  # reads the target's last feature (after its final norm), as Transformer returns by default
 
     def __init__(self, config: ModelArgs, fc_bias: bool = True, input_mode: str = "shifted"):
@@ -78,35 +117,6 @@ class EagleHead(nn.Module):
 
     def attentions(self) -> list:
         return [self.attention] + [block.attention for block in self.layers]
-
-    def kv_caches(self) -> list:
-        return [a.kv_cache for a in self.attentions()]
-
-    def set_kv_caches(self, make: Callable[[], Optional[nn.Module]]):
-        """Give every layer's attention a cache of its own from make() (None: no cache, whole-sequence training)."""
-        for a in self.attentions():
-            a.kv_cache = make()
-
-    def clear_kv_caches(self):
-        """No cache in any layer: whole-sequence training and evaluation (setup_caches makes them again)."""
-        self.set_kv_caches(lambda: None)
-
-    def setup_caches(self, max_seq_len: int, dtype=None, batch_size: int = 1):
-        cache = self.attention.kv_cache
-        if self.max_seq_len == max_seq_len and cache is not None and cache.k_cache.shape[0] == batch_size:
-            return
-        weight, c = self.fc.weight, self.config
-        dtype = dtype or cache_dtype(weight.dtype, weight.device)
-        self.set_kv_caches(lambda: KVCache(batch_size, max_seq_len, c.n_local_heads, c.head_dim, dtype).to(weight.device))
-        self.setup_rope(max_seq_len)
-
-    def setup_rope(self, max_seq_len: int, dtype=None):
-        """Rotary tables only: training runs whole sequences with no KV cache."""
-        dtype, device, c = dtype or self.fc.weight.dtype, self.fc.weight.device, self.config
-        self.max_seq_len = max_seq_len
-        cos, sin = precompute_rope(max_seq_len, c.head_dim, c.rope_base, c.rope_scaling)
-        self.register_buffer("rope_cos", cos.to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def forward(self, token_embeds: Tensor, features: Tensor, input_pos: Tensor,
                 mask: Optional[Tensor] = None, rope_pos: Optional[Tensor] = None) -> Tensor:
@@ -305,7 +315,7 @@ def default_feature_layers(n_layer: int) -> tuple:
     return (2, n_layer // 2, n_layer - 3)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     """The EAGLE-3 draft head (arXiv 2503.01840), with EagleHead's interface, so generation drives either.
 
     Differences from EagleHead, all behind the same calls:
@@ -368,11 +378,6 @@ class Eagle3Head(nn.Module):
         config = ModelArgs(**{**asdict(target_config), "n_layer": 1, "attention_bias": False, "rope_scaling": None,
                               "tie_embeddings": False})
         return cls(config, feature_layers or default_feature_layers(target_config.n_layer), draft_vocab)
-
-    setup_caches = EagleHead.setup_caches  # the same KV cache and rotary tables (they read fc, config, attention)
-    setup_rope = EagleHead.setup_rope
-    kv_caches, set_kv_caches = EagleHead.kv_caches, EagleHead.set_kv_caches
-    clear_kv_caches = EagleHead.clear_kv_caches
 
     def attentions(self) -> list:
         return [self.attention]
