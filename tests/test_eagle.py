@@ -288,11 +288,12 @@ def shipped_head(default_model):
     return head
 
 
-# 20 prompts x 128 new tokens with the paper tree, plus a few for a chain and the dynamic tree.
+# 10 prompts x 128 new tokens with the paper tree (20 took 4 of the suite's minutes on one core, eager), plus a few
+# for a chain, the dynamic tree and a context branch.
 SHIPPED_NEW_TOKENS = 128
 
 
-@pytest.mark.parametrize("spec, n_prompts", [("paper", 20), ("chain-4", 3), ("dynamic-8-4-16", 3), ("chain-1+lookup-3", 3)])
+@pytest.mark.parametrize("spec, n_prompts", [("paper", 10), ("chain-4", 3), ("dynamic-8-4-16", 3), ("chain-1+lookup-3", 3)])
 def test_greedy_shipped_head(spec, n_prompts, shipped_head, default_model, default_tokenizer):
     """The trained head: lossless on ShareGPT / MT-bench prompts, and it actually speculates (tau > 1.2).
     One session per tree kind serves all prompts, reusing the chat template's common prefix."""
