@@ -2,9 +2,9 @@
 
 - threads: ThreadGovernor, one thread per core other processes leave free (--threads auto);
 - compile kinds: the default, frozen and autotuned inductor settings (COMPILE_KINDS), --autotune's choice;
-- the cost model (CycleCosts, from scripts/profile_costs.py's profiles or a quick calibration timed by
-  costs.py) and the acceptance
-  model (the head's acceptance.json) that --tree auto (auto_tree) and --precision auto choose from.
+- the cost model (CycleCosts, from scripts/profile_costs.py's profiles or a quick calibration timed by costs.py)
+  and the acceptance model (the head's acceptance.json) that --tree auto (auto_tree) and --precision auto choose
+  from.
 
 The cycle itself (engine.py, generate.py) never reads a profile: generate.load asks this module once, before the
 first token, and passes the answers (a tree, a precision, a compile kind) down.
@@ -497,13 +497,15 @@ def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, ba
     pieces = costs.Pieces(model, head, mode, f"calibration_{precision}_b{batch_size}_{kind}",
                           max(costs.CALIBRATION_ROWS["verify"]), batch_size, COMPILE_KINDS[kind])
     measured = costs.piece_costs({precision: pieces}, costs.CALIBRATION_ROWS, costs.CALIBRATION_REPS)[0]
-    return {"key": cost_profile_path(torch.get_num_threads()).stem.removeprefix("costs-"), "isa": instruction_set(),
-            "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    draft_vocab = model.config.vocab_size if head.draft_vocab is None else len(head.draft_vocab)
+    threads = torch.get_num_threads()
+    return {"key": cost_profile_path(threads).stem.removeprefix("costs-"), "isa": instruction_set(),
+            "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": threads, "torch": torch.__version__,
             "date": date.today().isoformat(), "model": profile_model(model.config), "calibration": True,
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
-            "kind": "eager" if mode == "eager" else kind, "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX, "overhead_ms": costs.OVERHEAD_MS,
-            "decode_overhead_ms": costs.DECODE_OVERHEAD_MS, "sampling": costs.sampling_costs(
-                model.config.vocab_size, model.config.vocab_size if head.draft_vocab is None else len(head.draft_vocab)),
+            "kind": "eager" if mode == "eager" else kind, "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX,
+            "overhead_ms": costs.OVERHEAD_MS, "decode_overhead_ms": costs.DECODE_OVERHEAD_MS,
+            "sampling": costs.sampling_costs(model.config.vocab_size, draft_vocab),
             "precisions": measured if batch_size == 1 else {},
             "batches": {} if batch_size == 1 else {str(batch_size): measured},
             "wall_s": round(time.perf_counter() - start, 1)}
