@@ -130,7 +130,6 @@ def median_ms(times: list) -> float:
     return round(statistics.median(times) * 1000, 4)
 
 
-
 def timed_round_robin(jobs: dict, reps: int, seed: int = 0):
     """jobs: {name: callable}; each rep runs every job once in a fresh random order. Median ms per job of
     this thread's CPU time (what the call costs on an idle core: a busy machine's other processes stretch
@@ -192,3 +191,9 @@ def sampling_costs(vocab_size: int, draft_vocab: int, reps: int = 21, seed: int 
     ms = timed_round_robin(jobs, reps, seed)[0]
     extra = {name: round(max(0.0, ms[name, False] - ms[name, True]), 4) for name in ["decode"] + SAMPLING_NODES}
     return {"decode_ms": extra.pop("decode"), "cycle_ms": {str(n): v for n, v in extra.items()}}
+
+
+def head_sampling_costs(model, head, reps: int = 21) -> dict:
+    """sampling_costs at a target's vocabulary and its head's draft vocabulary."""
+    draft_vocab = model.config.vocab_size if head.draft_vocab is None else len(head.draft_vocab)
+    return sampling_costs(model.config.vocab_size, draft_vocab, reps)

@@ -250,6 +250,8 @@ class CycleCosts:
     def __post_init__(self):
         self.curves = {name: sorted((int(k), v) for k, v in getattr(self, name).items())
                        for name in ("verify", "draft", "update", "move")}
+        if self.sampling:
+            self.curves["sampling"] = sorted((int(n), ms) for n, ms in self.sampling["cycle_ms"].items())
 
     @classmethod
     def from_profile(cls, profile: dict, precision: str, batch_size: int = 1, kind: str = "default",
@@ -292,8 +294,7 @@ class CycleCosts:
         depth, in_place = max(len(widths), lookup), all(w == 1 for w in widths) and not lookup
         c = self.curves
         nodes = len(paths) + 1 + lookup
-        sampled = along(sorted((int(n), ms) for n, ms in self.sampling["cycle_ms"].items()), nodes) \
-            if self.sampling else 0.0
+        sampled = along(c["sampling"], nodes) if self.sampling else 0.0
         return (along(c["verify"], nodes) + sum(along(c["draft"], w) for w in widths[:-1])
                 + along(c["update"], depth + 1) + (0.0 if in_place else along(c["move"], depth + 1)) + self.overhead_ms
                 + sampled)
@@ -497,7 +498,6 @@ def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, ba
     pieces = costs.Pieces(model, head, mode, f"calibration_{precision}_b{batch_size}_{kind}",
                           max(costs.CALIBRATION_ROWS["verify"]), batch_size, COMPILE_KINDS[kind])
     measured = costs.piece_costs({precision: pieces}, costs.CALIBRATION_ROWS, costs.CALIBRATION_REPS)[0]
-    draft_vocab = model.config.vocab_size if head.draft_vocab is None else len(head.draft_vocab)
     threads = torch.get_num_threads()
     return {"key": cost_profile_path(threads).stem.removeprefix("costs-"), "isa": instruction_set(),
             "cpu": cpu_name(), "cpu_family": cpu_family(), "threads": threads, "torch": torch.__version__,
@@ -505,7 +505,7 @@ def calibrate(model: Transformer, head: EagleHead, precision: str, mode: str, ba
             "mode": "eager" if mode == "eager" else "compiled, rows dynamic (1 row: its own graph)",
             "kind": "eager" if mode == "eager" else kind, "reps": costs.CALIBRATION_REPS, "prefix_len": costs.PREFIX,
             "overhead_ms": costs.OVERHEAD_MS, "decode_overhead_ms": costs.DECODE_OVERHEAD_MS,
-            "sampling": costs.sampling_costs(model.config.vocab_size, draft_vocab),
+            "sampling": costs.head_sampling_costs(model, head),
             "precisions": measured if batch_size == 1 else {},
             "batches": {} if batch_size == 1 else {str(batch_size): measured},
             "wall_s": round(time.perf_counter() - start, 1)}

@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from eagle_head import EagleHead  # noqa: E402
 from model import CheckpointError, Transformer  # noqa: E402
 from costs import (BATCH_ROWS, DECODE_OVERHEAD_MS, OVERHEAD_MS, PIECES, PREFIX, ROWS, TOP_K, Pieces,  # noqa: E402
-                   compiled, piece_costs, rows_of, sampling_costs, timed_round_robin, verify_greedy)
+                   compiled, head_sampling_costs, piece_costs, rows_of, timed_round_robin, verify_greedy)
 from tuning import COMPILE_KINDS, cost_profile_path, cpu_family, cpu_name, instruction_set, profile_model  # noqa: E402
 
 CHECKPOINT_DIR = REPO / "checkpoints" / "HuggingFaceTB" / "SmolLM2-135M-Instruct"
@@ -62,6 +62,8 @@ HEAD_DIR = REPO / "heads" / "SmolLM2-135M-Instruct-eagle"
 PRECISION_FILES = {"fp32": ("model.pth", torch.float32), "bf16": ("model.pth", torch.bfloat16),
                    "int8": ("model_int8.pth", None), "int4": ("model_int4.g32.pth", None)}
 AUTOTUNE_MARGIN = 0.05  # a frozen kind is taken where it is at least 5% faster (it costs compile time)
+
+
 def load_pieces(precision: str, mode: str, checkpoint_dir: Path = CHECKPOINT_DIR, head_dir: Path = HEAD_DIR) -> Pieces:
     """One precision's target (model.pth, or quantize.py's file) and the head, bound as generate.py binds them, as
     Pieces with all of ROWS."""
@@ -255,12 +257,13 @@ def main(argv=None):
         costs, wall_costs = piece_costs(pieces, BATCH_ROWS, args.reps, seed=3)
         batches[str(batch_size)] = {precision: {**c, "wall_ms": wall_costs[precision]} for precision, c in costs.items()}
         print(f"batch {batch_size}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    model, head = next(iter(pieces.values())).model, next(iter(pieces.values())).head
+    first = next(iter(pieces.values()))
+    model, head = first.model, first.head  # the shape and head every precision's pieces share
     profile = {
         "key": cost_profile_path(args.threads).stem.removeprefix("costs-"), "isa": instruction_set(), "cpu": cpu_name(),
         "cpu_family": cpu_family(), "threads": args.threads,
         "torch": torch.__version__, "date": date.today().isoformat(),
-        "model": profile_model(next(iter(pieces.values())).model.config), "head": shown(args.eagle_head),
+        "model": profile_model(model.config), "head": shown(args.eagle_head),
         "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))
                                          if Path(sys.argv[0]).resolve().is_relative_to(REPO) else sys.argv[0]]
                                         + sys.argv[1:]),
@@ -268,8 +271,7 @@ def main(argv=None):
         "clock": "median thread CPU time per call (wall_ms: median wall time)",
         "mode": "compiled, rows dynamic (1 row: its own graph)" if args.mode == "dynamic" else "eager",
         "overhead_ms": args.overhead_ms, "decode_overhead_ms": args.decode_overhead_ms,
-        "sampling": sampling_costs(model.config.vocab_size, model.config.vocab_size if head.draft_vocab is None
-                                   else len(head.draft_vocab), args.reps),
+        "sampling": head_sampling_costs(model, head, args.reps),
         "precisions": {precision: {
             "checkpoint": shown(pc.checkpoint), "dtype": str(pc.model.tok_embeddings.weight.dtype),
             **{f"{piece}_ms": {str(n): medians[precision, piece, n] for n in rows_of(piece)} for piece in PIECES},
