@@ -44,6 +44,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+import gemm
 from eagle_head import EagleHead
 from model import Transformer, cache_dtype, causal_mask, narrow_caches
 from tree import ContextLookup, DynamicTree, Tree, ancestor_mask, children_of, tree_attention_mask
@@ -384,6 +385,7 @@ class Steps:
     commit) and prefill (update_rows both). Steps() runs them eagerly, Steps.compiled() compiled; engines given
     the same Steps share its compiled graphs."""
     is_compiled = False
+    frozen = False  # compiled with frozen weights (a frozen or autotuned kind): see gemm.pack_linears
 
     def __init__(self, fixed: Optional[Callable] = None, variable: Optional[Callable] = None):
         """fixed, variable: what wraps the fixed-shape steps and the two prefills (None: nothing)."""
@@ -408,6 +410,7 @@ class Steps:
                     (lambda f: compile_step(f, inductor_config, tag, fullgraph=True, dynamic=True, **options))
                     if prefill_too else None)
         steps.is_compiled = True
+        steps.frozen = bool(inductor_config and inductor_config.get("freezing"))
         limit = 64  # a graph per row bucket, greedy / sampling and tree level width: more than Dynamo's default 8
         if torch._dynamo.config.recompile_limit < limit:
             torch._dynamo.config.recompile_limit = limit
@@ -545,8 +548,9 @@ class Engine:
         this engine's own, compiled with inductor_config (tuning.COMPILE_KINDS: None for the default kind, or
         frozen weights, or frozen and autotuned), or eager. adapt (EAGLE): an Adaptation that chooses, step by
         step, between a cycle and a plain decode step; None: every step a cycle. kv_dtype: the target's keys and
-        values (None: model.cache_dtype's choice, fp32 on a CPU); bf16 with bf16 weights halves the cache, and a
-        vanilla step reads it with model.decode_attention, faster at many rows (scripts/make_data.py's batches)."""
+        values (None: model.cache_dtype's choice, fp32 on a CPU); bf16 with bf16 weights halves the cache, and the
+        steps read it with model.decode_attention, faster at many rows (scripts/make_data.py's batches). A compiled
+        engine of several rows on a CPU packs the model's fp32 linears for oneDNN where that is faster (gemm.py)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
@@ -554,6 +558,8 @@ class Engine:
         self.kv_dtype = kv_dtype or cache_dtype(model.tok_embeddings.weight.dtype, self.device)
         self.steps = steps or (Steps.compiled(self.device, inductor_config=inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
+        if self.compiled and max_rows > 1 and self.device.type == "cpu":  # steps of several rows: fp32 GEMMs packed
+            gemm.pack_linears(model, self.steps.frozen)
         # the slots a step's attention reads: the live ones on a CPU, the whole cache elsewhere (see span)
         self.window_live = self.device.type == "cpu"
         self.buckets = row_buckets(max_rows)

@@ -315,25 +315,26 @@ class Attention(nn.Module):
         """q [B, heads, T, head_dim] over the first mask.shape[-1] slots of k, v (the slots the mask covers)."""
         S = mask.shape[-1]
         k, v = k[:, :, :S], v[:, :, :S]
-        if q.shape[2] == 1 and k.dtype == torch.bfloat16 and k.device.type == "cpu":
-            return decode_attention(q, k, v, mask)
+        if k.dtype == torch.bfloat16 and k.device.type == "cpu" and mask.dim() == 4:
+            return decode_attention(q, k, v, mask)  # a step's few queries per row (4-D masks: the engine's steps)
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
                                               enable_gqa=self.n_head != self.n_local_heads)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """One query per row (q [B, heads, 1, head_dim]) over a bf16 cache (k, v [B, kv_heads, S, head_dim]), in fp32:
-    a vanilla step of an engine given kv_dtype bf16 (scripts/make_data.py's). Written as broadcast products and sums
+    """A few queries per row (q [B, heads, T, head_dim]: a decode step's one, a tree's nodes) over a bf16 cache (k, v
+    [B, kv_heads, S, head_dim]), in fp32: the steps of an engine given kv_dtype bf16 (scripts/make_data.py's
+    batches). Written as broadcast products and sums
     over each kv head's slots for the query heads sharing it (no per-head copy of the cache), which inductor fuses
     into two vectorised loops; PyTorch's bf16 attention kernel is 6x slower here and its fp32 kernel on an fp32
-    cache 1.3x (B=16, S=400, one thread, AVX-512 BF16). Slow in eager mode: meant for compiled steps."""
-    B, H, _, D = q.shape
+    cache 1.3x (B=16, S=400, T=1, one thread, AVX-512 BF16). Slow in eager mode: meant for compiled steps."""
+    B, H, T, D = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
-    qg = q.reshape(B, kv_heads, H // kv_heads, 1, D).float() * D ** -0.5  # the query heads of each kv head
-    scores = (qg * k[:, :, None]).sum(-1, dtype=torch.float32)  # [B, kv_heads, H / kv_heads, S]
-    scores = scores.masked_fill(~mask.reshape(-1, 1, 1, S), float("-inf"))  # mask [B or 1, 1, 1, S]
+    qg = q.reshape(B, kv_heads, H // kv_heads, T, 1, D).float() * D ** -0.5  # the query heads of each kv head
+    scores = (qg * k[:, :, None, None]).sum(-1, dtype=torch.float32)  # [B, kv_heads, H / kv_heads, T, S]
+    scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, T, S), float("-inf"))  # mask [B or 1, 1, T, S]
     p = torch.softmax(scores, dim=-1)
-    return (p[..., None] * v[:, :, None]).sum(-2, dtype=torch.float32).reshape(B, H, 1, D)
+    return (p[..., None] * v[:, :, None, None]).sum(-2, dtype=torch.float32).reshape(B, H, T, D)
 
 
 class FeedForward(nn.Module):

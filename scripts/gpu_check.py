@@ -50,7 +50,7 @@ def steps(device: str, quick: bool, out: Path) -> list:
     train = [py, "scripts/train_eagle.py", "online", "--init", SHIPPED_HEAD, "--out", str(out / "train"),
              "--save_head", str(out / "train" / "head")]
     if quick:
-        tests += ["-k", "(tiny and copycat) or broken_verifier"]
+        tests += ["-k", "tiny and copycat"]  # the broken-verifier G-test runs in the suite itself (2 min on CPU)
         bench += ["--quick", "--modes", "eager", "--trees", "chain-1", "paper"]
         train += ["--conversations", "4", "--max_steps", "2", "--pack_len", "256", "--batch_size", "1",
                   "--eval_records", "2", "--eval_every", "2", "--threads", "1"]

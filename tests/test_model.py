@@ -84,7 +84,7 @@ def test_a_mask_over_the_live_slots_only_equals_the_whole_cache_mask(tiny_model)
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_decode_attention_equals_sdpa(compile):
-    """The bf16-cache decode attention (one query per row, query heads sharing kv heads, per-row or shared masks)
+    """The bf16-cache decode attention (one query per row or a few, query heads sharing kv heads, per-row or shared masks)
     equals PyTorch's attention over the same keys and values in fp32, eager and compiled."""
     import torch.nn.functional as F
     g = torch.Generator().manual_seed(0)
@@ -95,6 +95,10 @@ def test_decode_attention_equals_sdpa(compile):
     for mask in (per_row, per_row[2, 0]):  # [B, 1, 1, S] and [1, S]
         ref = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         torch.testing.assert_close(attend(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+    q3 = torch.randn(5, 6, 3, 16, generator=g)  # a tree's few nodes per row, each its own mask row
+    tree = (torch.arange(23) <= torch.tensor([3, 9, 22, 12, 15])[:, None, None, None] - torch.arange(3)[:, None])
+    ref = F.scaled_dot_product_attention(q3, k.float(), v.float(), attn_mask=tree, enable_gqa=True)
+    torch.testing.assert_close(attend(q3, k, v, tree), ref, atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

@@ -1,0 +1,113 @@
+"""fp32 linears of a CPU step of several rows through oneDNN with prepacked weights, where the machine says so.
+
+A step of a few rows multiplies each weight matrix by a handful of activation rows. For fp32 weights, PyTorch's
+CPU matmul (MKL's sgemm) and the frozen compile kinds' prepacked MKL GEMM (inductor's choice for fp32) handle
+one row well and several rows poorly; oneDNN's matmul on a weight packed ahead of time for that many rows does
+several well. Measured on an AMD EPYC with AVX-512 BF16, one thread, a compiled frozen vanilla step of
+SmolLM2-135M over 8 rows: 98 ms with inductor's MKL-packed linears, 61 ms with these (one row: 41 against 50, so
+there one row keeps the compile kind's). bf16 weights need none of this: the frozen kinds pack them for oneDNN
+already.
+
+    rows = gemm.pack_linears(model, frozen=True)  # once, before compiling (engine.Engine does it for its steps)
+    # then a linear over at least `rows` rows (a step of that many rows) runs packed; None: nothing packed
+
+`pack_linears` measures the choice on the machine at hand (`packed_from_rows`): the model's LM head, its
+largest linear, timed both ways at 1, 2, 4 and 8 rows; the packed path starts at the first row count where it
+is faster, or never. The packed weights are opaque oneDNN tensors that torch.compile cannot trace, so a linear
+calls them through the custom op `eagle::packed_linear`, which compiled graphs keep as one opaque call, and
+finds its weight by index in PACKED. They are copies: the model's fp32 weights stay (training, the quantizer,
+an EAGLE head's LM-head rows read them), so packing costs the model's fp32 size again in memory.
+"""
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+PACKED: list = []  # oneDNN-packed weights, by PackedLinear.packed_index
+PACK_ROWS = 8  # the row count the weights are packed for (oneDNN's choice of blocking; any count runs)
+
+
+# eagle::packed_linear, defined through torch.library.Library: a call costs ~3 us over the kernel's own, where
+# torch.library.custom_op's wrapper costs ~14 (151 linears a step)
+LIBRARY = torch.library.Library("eagle", "DEF")
+LIBRARY.define("packed_linear(Tensor x, Tensor weight, int index) -> Tensor")
+
+
+def packed_linear(x: Tensor, weight: Tensor, index: int) -> Tensor:
+    """x [rows, in] @ weight.T through PACKED[index], weight's oneDNN-packed copy (weight itself is not read)."""
+    return torch.ops.mkldnn._linear_pointwise(x, PACKED[index], None, "none", [], "")
+
+
+def packed_linear_shape(x: Tensor, weight: Tensor, index: int) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+LIBRARY.impl("packed_linear", packed_linear, "CPU")
+torch.library.register_fake("eagle::packed_linear", packed_linear_shape, lib=LIBRARY)
+
+
+class PackedLinear(nn.Linear):
+    """An fp32 nn.Linear that multiplies `from_rows` rows or more through its oneDNN-packed copy; fewer rows take
+    F.linear (what the compile kind makes of it). The row count is static in a compiled step, so each step's
+    graph holds one path."""
+    packed_index: int
+    from_rows: int
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.shape[:-1].numel()
+        if rows < self.from_rows:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.eagle.packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.packed_index)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def median_ms(run, repeats: int = 7) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2] * 1e3
+
+
+def packed_from_rows(weight: Tensor, frozen: bool, counts=(1, 2, 4, 8)) -> Optional[int]:
+    """The least row count (of counts) from which the oneDNN-packed weight multiplies faster than the compile
+    kind's own GEMM (frozen: inductor's MKL-packed one; else ATen's matmul), None where it never is."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+    with torch.no_grad():
+        for rows in counts:
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            if frozen and torch._C.has_mkl:
+                mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                theirs = median_ms(lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows))
+            else:
+                theirs = median_ms(lambda: F.linear(x, weight))
+            if median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) < theirs:
+                return rows
+    return None
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module, frozen: bool) -> Optional[int]:
+    """Make every fp32 CPU nn.Linear of model a PackedLinear (once; later calls return the first answer), from
+    the row count packed_from_rows measures on the model's LM head (frozen: for the frozen compile kinds);
+    returns that count (None: nothing packed). Without oneDNN, or for other weights, nothing changes."""
+    if hasattr(model, "packed_from_rows"):
+        return model.packed_from_rows
+    weight = model.output.weight
+    usable = torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and weight.dtype == torch.float32
+    model.packed_from_rows = packed_from_rows(weight.detach(), frozen) if usable else None
+    if model.packed_from_rows is None:
+        return None
+    for linear in model.modules():
+        weight = linear.weight.detach() if type(linear) is nn.Linear else None
+        if type(weight) is Tensor and weight.dtype == torch.float32 and weight.device.type == "cpu":  # no subclass
+            PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS))
+            linear.__class__ = PackedLinear
+            linear.packed_index, linear.from_rows = len(PACKED) - 1, model.packed_from_rows
+    return model.packed_from_rows
