@@ -46,7 +46,7 @@ from torch import Tensor
 
 import gemm
 from eagle_head import EagleHead
-from model import Transformer, cache_dtype, causal_mask, narrow_caches
+from model import SELF_CAUSAL, Transformer, cache_dtype, causal_mask, narrow_caches
 from tree import ContextLookup, DynamicTree, Tree, ancestor_mask, children_of, tree_attention_mask
 
 
@@ -548,17 +548,22 @@ class Engine:
         this engine's own, compiled with inductor_config (tuning.COMPILE_KINDS: None for the default kind, or
         frozen weights, or frozen and autotuned), or eager. adapt (EAGLE): an Adaptation that chooses, step by
         step, between a cycle and a plain decode step; None: every step a cycle. kv_dtype: the target's keys and
-        values (None: model.cache_dtype's choice, fp32 on a CPU); bf16 with bf16 weights halves the cache, and the
-        steps read it with model.decode_attention, faster at many rows (scripts/make_data.py's batches). A compiled
-        engine of several rows on a CPU packs the model's fp32 linears for oneDNN where that is faster (gemm.py)."""
+        values (None: bf16 for bf16 weights in a compiled engine of several rows on a CPU, else model.cache_dtype's
+        choice, fp32 on a CPU); bf16 halves the cache, and the steps read it with model.decode_attention, faster
+        at several rows (8 rows of SmolLM2-135M, AVX-512 BF16 EPYC, one thread: a frozen vanilla step 59 -> 35 ms).
+        A compiled engine of several rows on a CPU packs the model's linears for oneDNN where that is faster
+        (gemm.py)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device = max_seq_len, model.output.weight.device
-        self.kv_dtype = kv_dtype or cache_dtype(model.tok_embeddings.weight.dtype, self.device)
         self.steps = steps or (Steps.compiled(self.device, inductor_config=inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
-        if self.compiled and max_rows > 1 and self.device.type == "cpu":  # steps of several rows: fp32 GEMMs packed
+        weights = model.tok_embeddings.weight.dtype
+        several = self.compiled and max_rows > 1 and self.device.type == "cpu"
+        self.kv_dtype = kv_dtype or (torch.bfloat16 if several and weights == torch.bfloat16
+                                     else cache_dtype(weights, self.device))
+        if several:  # steps of several rows (and the prefills): GEMMs packed where faster
             gemm.pack_linears(model, self.steps.frozen)
         # the slots a step's attention reads: the live ones on a CPU, the whole cache elsewhere (see span)
         self.window_live = self.device.type == "cpu"
@@ -800,8 +805,8 @@ class Engine:
         T = len(row.tokens)
         pos = torch.arange(held, T, device=self.device)
         with self.row_caches(b):
-            logits, features = self.steps.prefill(self.model, rows_tensor([row.tokens[held:]], self.device), pos,
-                                                  causal_mask(pos, self.span(T)))
+            mask = SELF_CAUSAL if held == 0 else causal_mask(pos, self.span(T))  # the causal kernel skips half
+            logits, features = self.steps.prefill(self.model, rows_tensor([row.tokens[held:]], self.device), pos, mask)
             row.length = T
             row.tokens.append(int(sample(logits[0, -1], row.sampling)))
             if self.head is None:

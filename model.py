@@ -142,8 +142,9 @@ def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else weight_dtype
 
 
-# forward(mask=SELF_CAUSAL): each token sees the earlier tokens of the same call only, not the KV cache (training's
-# target pass over whole sequences): SDPA's causal kernel skips the masked half that an explicit mask makes it compute
+# forward(mask=SELF_CAUSAL): each token sees the earlier tokens of the same call only, not the KV cache (a prompt
+# prefilled from slot 0, whose keys and values are still written to the cache; training's target pass over whole
+# sequences): SDPA's causal kernel skips the masked half that an explicit mask makes it compute
 SELF_CAUSAL = "self-causal"
 
 
@@ -197,7 +198,7 @@ class Transformer(nn.Module):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
         slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache); SELF_CAUSAL: causal over
-        this call's tokens, no cache read.
+        this call's tokens, no cache read (the cache, if any, is written: a prompt from slot 0).
         rope_pos: rotary positions shaped like input_pos (default: input_pos; tree nodes differ).
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
@@ -304,6 +305,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if mask is SELF_CAUSAL:  # in the precision a KV cache would hold them
             q, k, v = (t.to(cache_dtype(x.dtype, x.device)) for t in (q, k, v))
+            if self.kv_cache is not None:
+                self.kv_cache.update(input_pos, k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_head != self.n_local_heads)
             return self.wo(y.to(x.dtype).transpose(1, 2).reshape(bsz, seqlen, q_size))
         if self.kv_cache is not None:  # None when training the EAGLE head on whole sequences

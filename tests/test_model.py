@@ -1,5 +1,5 @@
-"""model.py: the default model against transformers, the KV cache, tree masks, logits_at, checkpoint errors.
-(Logit equality with transformers on converted HF checkpoints is in test_convert.py.)"""
+"""model.py: the default model against transformers, the KV cache, a self-causal prefill, tree masks, logits_at,
+checkpoint errors. (Logit equality with transformers on converted HF checkpoints is in test_convert.py.)"""
 import importlib.util
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import CheckpointError, ModelArgs, Transformer, causal_mask, decode_attention
+from model import SELF_CAUSAL, CheckpointError, ModelArgs, Transformer, causal_mask, decode_attention
 
 TINY = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=96, vocab_size=128)
 TINY_HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
@@ -79,6 +79,20 @@ def test_a_mask_over_the_live_slots_only_equals_the_whole_cache_mask(tiny_model)
     for t in range(idx.shape[1]):
         pos = torch.tensor([t])
         step_logits, _ = tiny_model(idx[:, t:t + 1], pos, mask=causal_mask(pos, t + 1))
+        torch.testing.assert_close(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_a_self_causal_prefill_fills_the_cache_as_a_masked_one(tiny_model):
+    """A prompt prefilled from slot 0 with SELF_CAUSAL (the engine's fresh prompts: SDPA's causal kernel) gives
+    the masked prefill's logits and writes the same keys and values, so decoding after it is the same."""
+    idx = tokens(12)
+    logits, _ = full_forward(tiny_model, idx)
+    fresh_caches(tiny_model)
+    prefill, _ = tiny_model(idx[:, :8], torch.arange(8), mask=SELF_CAUSAL)
+    torch.testing.assert_close(prefill, logits[:, :8], atol=1e-5, rtol=0)
+    for t in range(8, 12):
+        step_logits, _ = tiny_model(idx[:, t:t + 1], torch.tensor([t]))
         torch.testing.assert_close(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=0)
 
 
