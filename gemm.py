@@ -104,9 +104,10 @@ def pack_linears(model: nn.Module, frozen: bool) -> Optional[int]:
     returns that count (None: nothing packed). Without oneDNN, or for other weights, nothing changes."""
     if hasattr(model, "packed_from_rows"):
         return model.packed_from_rows
-    weight = model.output.weight
-    usable = torch.backends.mkldnn.is_available() and weight.device.type == "cpu" and weight.dtype in PACKABLE
-    model.packed_from_rows = packed_from_rows(weight.detach(), frozen) if usable else None
+    weight = model.output.weight.detach()
+    usable = torch.backends.mkldnn.is_available() and type(weight) is Tensor and weight.device.type == "cpu" and \
+        weight.dtype in PACKABLE  # not a quantized tensor subclass (an int4 LM head reports bf16)
+    model.packed_from_rows = packed_from_rows(weight, frozen) if usable else None
     if model.packed_from_rows is None:
         return None
     for linear in model.modules():

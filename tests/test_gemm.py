@@ -62,3 +62,16 @@ def test_bf16_packed_linear_runs_eager_and_leaves_frozen_graphs_to_inductor():
         assert "eagle.packed_linear" in graph_ops(everywhere, x)
         assert "eagle.packed_linear" not in graph_ops(eager_only, x)
         assert "eagle.packed_linear" not in graph_ops(everywhere, x[:1])  # fewer rows than from_rows
+
+
+def test_packing_skips_a_quantized_lm_head():
+    """An int4 model (its LM head quantized too: a tensor subclass that reports bf16) packs nothing and runs."""
+    import quantize
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=128, n_layer=1, n_head=4, n_local_heads=2, intermediate_size=256,
+                                  vocab_size=256)).to(torch.bfloat16).eval()
+    quantize.quantize_model(model, quantize.handler_for("int4", 32), quantize_lm_head=True)
+    assert gemm.pack_linears(model, frozen=True) is None
+    assert not any(isinstance(m, gemm.PackedLinear) for m in model.modules())
