@@ -214,8 +214,8 @@ def markdown(result: dict) -> str:
              f"{m['threads']} thread(s), vLLM's engine bound to core {m['vllm_core']}; {m['prompts']} MT-bench first "
              f"turns, {m['max_new_tokens']} new tokens, greedy; our EAGLE tree {m['tree']}; {m['repeats']} pass(es).",
              "", "tokens/s (all new tokens / wall time, prefills included) and greedy texts equal to ours fp32 "
-             "vanilla one at a time (where some part: the largest gap between our fp32 target's two best logits "
-             "where one does):", "",
+             "vanilla one at a time (where texts part: the largest gap between our fp32 target's two best logits "
+             "at the first token that differs):", "",
              "| side | precision | method | " + " | ".join(f"N={n}" for n in m["batch_sizes"]) + " | tau | equal |",
              "|---|---|---|" + "---|" * len(m["batch_sizes"]) + "---|---|"]
     rows = result["summary"]["rows"]
