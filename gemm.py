@@ -105,16 +105,19 @@ def pack_linears(model: nn.Module, frozen: bool) -> Optional[int]:
     if hasattr(model, "packed_from_rows"):
         return model.packed_from_rows
     weight = model.output.weight.detach()
-    usable = torch.backends.mkldnn.is_available() and type(weight) is Tensor and weight.device.type == "cpu" and \
-        weight.dtype in PACKABLE  # not a quantized tensor subclass (an int4 LM head reports bf16)
+    usable = torch.backends.mkldnn.is_available() and packable(weight)
     model.packed_from_rows = packed_from_rows(weight, frozen) if usable else None
     if model.packed_from_rows is None:
         return None
     for linear in model.modules():
-        weight = linear.weight.detach() if type(linear) is nn.Linear else None
-        if type(weight) is Tensor and weight.dtype in PACKABLE and weight.device.type == "cpu":  # no subclass
-            pack(linear, model.packed_from_rows, eager_only=frozen and weight.dtype == torch.bfloat16)
+        if type(linear) is nn.Linear and packable(linear.weight.detach()):
+            pack(linear, model.packed_from_rows, eager_only=frozen and linear.weight.dtype == torch.bfloat16)
     return model.packed_from_rows
+
+
+def packable(weight: Tensor) -> bool:
+    """A plain fp32 or bf16 CPU tensor: not a quantized tensor subclass (an int4 weight reports bf16)."""
+    return type(weight) is Tensor and weight.dtype in PACKABLE and weight.device.type == "cpu"
 
 
 def pack(linear: nn.Linear, from_rows: int, eager_only: bool = False) -> PackedLinear:

@@ -47,7 +47,7 @@ from engine import Engine  # noqa: E402
 from eagle_head import EagleHead  # noqa: E402
 from scripts.bench_common import (PRECISION_DTYPES, build_quick_checkpoint, default_out, git_state,  # noqa: E402
                                   json_safe, load_dataset, load_target, machine_info, render, repo_relative, select_questions)
-from scripts.benchmark_batch import divergence  # noqa: E402
+from scripts.benchmark_batch import divergence, divergence_summary  # noqa: E402
 from scripts.export_hf import export_head, export_hf  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
@@ -183,8 +183,8 @@ def vllm(args, hf_dir: Path, vllm_head: Path, precision: str, k: int, prompts: l
 
 def largest_gap(divergences: list) -> str:
     """" (gap 0.12)": the largest fp32 top-2 logit gap where a text leaves the reference ("" where none does)."""
-    gaps = [d["top2_gap"] for d in divergences if d]
-    return f" (gap {max(gaps):.2f})" if gaps else ""
+    gap = divergence_summary(divergences)["max_top2_gap"]
+    return "" if gap is None else f" (gap {gap:.2f})"
 
 
 def summarize(side: str, precision: str, result: dict, reference: list, model, prompts: list) -> list:
