@@ -400,14 +400,16 @@ class Steps:
         """Full graphs of static shape (a live mask's slot count is dynamic, see Engine.span; on CUDA, CUDA
         graphs), so nothing recompiles as rows advance, join and leave: each step compiles once per row bucket,
         greedy and sampling (draft_step: per tree level width). prefill_too: the prefills too, with dynamic
-        shapes. `options` go to every torch.compile call (e.g. backend=...); inductor_config (a
+        shapes, in the default kind whatever inductor_config says (frozen weights with dynamic shapes had not
+        finished compiling after 15 minutes); their linears take gemm's packed weights where the model has them.
+        `options` go to every torch.compile call (e.g. backend=...); inductor_config (a
         tuning.COMPILE_KINDS value) is set where inductor reads it, see compile_step. The steps' code objects
         are this set's own (own_code), so its graphs count against Dynamo's recompile limit apart from others'."""
         tag = f"steps{next(STEPS)}"
         cuda = torch.device(device).type == "cuda"
         fixed = {"fullgraph": True, "dynamic": False, **({"mode": "reduce-overhead"} if cuda else {})}
         steps = cls(lambda f: compile_step(f, inductor_config, tag, **fixed, **options),
-                    (lambda f: compile_step(f, inductor_config, tag, fullgraph=True, dynamic=True, **options))
+                    (lambda f: compile_step(f, None, tag, fullgraph=True, dynamic=True, **options))
                     if prefill_too else None)
         steps.is_compiled = True
         steps.frozen = bool(inductor_config and inductor_config.get("freezing"))
@@ -552,15 +554,17 @@ class Engine:
         choice, fp32 on a CPU); bf16 halves the cache, and the steps read it with model.decode_attention, faster
         at several rows (8 rows of SmolLM2-135M, AVX-512 BF16 EPYC, one thread: a frozen vanilla step 59 -> 35 ms).
         A compiled engine of several rows on a CPU packs the model's linears for oneDNN where that is faster
-        (gemm.py)."""
+        (gemm.py), and (compile, not given steps) compiles its prefills too (Steps.compiled's prefill_too): eager
+        prefills spent about a third of their time outside the GEMMs (SmolLM2-135M in bf16, 60-140 tokens, one
+        thread, AVX-512 BF16 EPYC: 126-274 -> 94-224 ms a prompt)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device = max_seq_len, model.output.weight.device
-        self.steps = steps or (Steps.compiled(self.device, inductor_config=inductor_config) if compile else EAGER)
+        several = (compile or (steps is not None and steps.is_compiled)) and max_rows > 1 and self.device.type == "cpu"
+        self.steps = steps or (Steps.compiled(self.device, several, inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
         weights = model.tok_embeddings.weight.dtype
-        several = self.compiled and max_rows > 1 and self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.bfloat16 if several and weights == torch.bfloat16
                                      else cache_dtype(weights, self.device))
         if several:  # steps of several rows (and the prefills): GEMMs packed where faster
@@ -804,9 +808,10 @@ class Engine:
         there drafts the row's first tree."""
         T = len(row.tokens)
         pos = torch.arange(held, T, device=self.device)
+        steps = self.steps if T - held > 1 else EAGER  # a compiled prefill's length would specialise on 1: a graph
         with self.row_caches(b):
             mask = SELF_CAUSAL if held == 0 else causal_mask(pos, self.span(T))  # the causal kernel skips half
-            logits, features = self.steps.prefill(self.model, rows_tensor([row.tokens[held:]], self.device), pos, mask)
+            logits, features = steps.prefill(self.model, rows_tensor([row.tokens[held:]], self.device), pos, mask)
             row.length = T
             row.tokens.append(int(sample(logits[0, -1], row.sampling)))
             if self.head is None:
@@ -814,7 +819,7 @@ class Engine:
             self.head_forwards += 1
             row.head_len = T
             paired = self.head.pair_tokens(row.tokens[held + 1:], row.tokens[held:T])
-            return self.steps.head_prefill(self.model, self.head, rows_tensor([paired], self.device), features, pos,
+            return steps.head_prefill(self.model, self.head, rows_tensor([paired], self.device), features, pos,
                                            causal_mask(pos, self.span(T, head=True)),
                                            rows_tensor([T - 1 - held], self.device), self.tree.max_rank + 1)
 

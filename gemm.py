@@ -54,16 +54,17 @@ torch.library.register_fake("eagle::packed_linear", packed_linear_shape, lib=LIB
 
 class PackedLinear(nn.Linear):
     """An nn.Linear that multiplies `from_rows` rows or more through its oneDNN-packed copy; fewer rows take
-    F.linear (what the compile kind makes of it), and so do compiled graphs where `eager_only` (bf16 weights in
-    the frozen kinds, which pack them for oneDNN themselves). The row count is static in a compiled step, so each
-    step's graph holds one path."""
+    F.linear (what the compile kind makes of it), and so do graphs compiled with frozen weights where
+    `inductor_packs` (bf16 weights: inductor packs them for oneDNN itself there; a compiled prefill, not frozen,
+    takes this copy). The row count is static in a compiled step, so each step's graph holds one path."""
     packed_index: int
     from_rows: int
-    eager_only: bool
+    inductor_packs: bool
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[:-1].numel()
-        if (self.eager_only and torch.compiler.is_compiling()) or rows < self.from_rows:
+        frozen_graph = torch.compiler.is_compiling() and torch._inductor.config.freezing  # see compile_step
+        if (self.inductor_packs and frozen_graph) or rows < self.from_rows:
             return F.linear(x, self.weight, self.bias)
         y = torch.ops.eagle.packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.packed_index)
         y = y.reshape(*x.shape[:-1], self.out_features)
@@ -111,7 +112,7 @@ def pack_linears(model: nn.Module, frozen: bool) -> Optional[int]:
         return None
     for linear in model.modules():
         if type(linear) is nn.Linear and packable(linear.weight.detach()):
-            pack(linear, model.packed_from_rows, eager_only=frozen and linear.weight.dtype == torch.bfloat16)
+            pack(linear, model.packed_from_rows, inductor_packs=frozen and linear.weight.dtype == torch.bfloat16)
     return model.packed_from_rows
 
 
@@ -120,9 +121,9 @@ def packable(weight: Tensor) -> bool:
     return type(weight) is Tensor and weight.dtype in PACKABLE and weight.device.type == "cpu"
 
 
-def pack(linear: nn.Linear, from_rows: int, eager_only: bool = False) -> PackedLinear:
+def pack(linear: nn.Linear, from_rows: int, inductor_packs: bool = False) -> PackedLinear:
     """Turn linear into a PackedLinear over its weight's oneDNN-packed copy (see PackedLinear)."""
     PACKED.append(torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_ROWS))
     linear.__class__ = PackedLinear
-    linear.packed_index, linear.from_rows, linear.eager_only = len(PACKED) - 1, from_rows, eager_only
+    linear.packed_index, linear.from_rows, linear.inductor_packs = len(PACKED) - 1, from_rows, inductor_packs
     return linear

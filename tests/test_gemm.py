@@ -1,5 +1,5 @@
 """gemm.py: linears of several rows through oneDNN-packed weights give F.linear's numbers, eager and compiled; bf16
-ones leave the frozen kinds' graphs to inductor."""
+ones leave the frozen kinds' graphs to inductor and are packed in graphs not frozen (the compiled prefills)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -36,31 +36,34 @@ def test_packing_leaves_other_weights_alone():
     assert gemm.pack_linears(model, frozen=True) is None and type(model.output) is nn.Linear
 
 
-def graph_ops(fn, *args) -> set:
-    """The ops of the graph torch.compile captures for fn(*args)."""
+def graph_ops(fn, *args, frozen: bool = False) -> set:
+    """The ops of the graph torch.compile captures for fn(*args) (frozen: traced as the frozen kinds' steps are,
+    under inductor's freezing setting)."""
     seen = set()
 
     def backend(gm, inputs):
         seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
         return gm.forward
 
-    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    with torch._inductor.config.patch(freezing=frozen):
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
     return seen
 
 
-def test_bf16_packed_linear_runs_eager_and_leaves_frozen_graphs_to_inductor():
+def test_bf16_packed_linear_runs_eager_and_unfrozen_and_leaves_frozen_graphs_to_inductor():
     if not torch.backends.mkldnn.is_available():
         return
     torch.manual_seed(0)
-    eager_only = gemm.pack(nn.Linear(64, 96).to(torch.bfloat16), from_rows=2, eager_only=True)
+    inductor_packs = gemm.pack(nn.Linear(64, 96).to(torch.bfloat16), from_rows=2, inductor_packs=True)
     everywhere = gemm.pack(nn.Linear(64, 96).to(torch.bfloat16), from_rows=2)
     with torch.no_grad():
         x = torch.randn(5, 64, dtype=torch.bfloat16)
-        for linear in (eager_only, everywhere):  # 5 rows: packed; its numbers are F.linear's up to bf16 rounding
+        for linear in (inductor_packs, everywhere):  # 5 rows: packed; its numbers are F.linear's up to bf16 rounding
             want = F.linear(x.float(), linear.weight.float(), linear.bias.float())
             torch.testing.assert_close(linear(x).float(), want, rtol=2e-2, atol=2e-2)
-        assert "eagle.packed_linear" in graph_ops(everywhere, x)
-        assert "eagle.packed_linear" not in graph_ops(eager_only, x)
+        assert "eagle.packed_linear" in graph_ops(everywhere, x, frozen=True)
+        assert "eagle.packed_linear" not in graph_ops(inductor_packs, x, frozen=True)
+        assert "eagle.packed_linear" in graph_ops(inductor_packs, x)  # a graph not frozen: the compiled prefills
         assert "eagle.packed_linear" not in graph_ops(everywhere, x[:1])  # fewer rows than from_rows
 
 
