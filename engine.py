@@ -729,11 +729,16 @@ class Engine:
     @torch.no_grad()
     def warm_up(self, prompt: list, samplings=(None,), max_new_tokens: int = 4):
         """Compile every graph a step may need now: each bucket of rows (that many copies of prompt at once), with
-        each of the samplings (None: greedy; a greedy step and one with sampled rows are different graphs)."""
+        each of the samplings (None: greedy; a greedy step and one with sampled rows are different graphs), and
+        the prefills: from slot 0, and after a held prefix (a chat's next turn; prompt's first half held)."""
         for n in self.buckets:
             for s in samplings:
                 self.generate([prompt] * n, max_new_tokens, s or Sampling())
         self.forget()
+        if len(prompt) >= 4:
+            self.generate([prompt[: len(prompt) // 2]], 1, Sampling())
+            self.generate([prompt], 1, Sampling())
+            self.forget()
         if self.adapt is not None:  # the warm-up's step times include their compiles
             self.adapt.reset()
 
