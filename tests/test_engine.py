@@ -343,6 +343,23 @@ def test_a_follow_up_prefills_only_what_is_new(spec):
     assert session.generate(follow_up, n, Sampling())[0] == c.out and prefilled[-1] == len(follow_up)
 
 
+def test_warm_up_prefills_from_slot_0_and_after_a_held_prefix():
+    """Engine.warm_up runs the prefill shapes a compiled prefill needs a graph for before anything is timed: from
+    slot 0 and after a held prefix of several new tokens (a chat's next turn); the rows are forgotten after."""
+    model = tiny_target()
+    eng = Engine(model, 40, 2)
+    eng.steps = engine.Steps()  # its own, to spy on
+    prefill, seen = eng.steps.prefill, []
+
+    def spy(model_, tokens, input_pos, mask):
+        seen.append((int(input_pos[0]), tokens.shape[1]))
+        return prefill(model_, tokens, input_pos, mask)
+    eng.steps.prefill = spy
+    eng.warm_up(list(range(1, 13)))
+    assert (0, 12) in seen and (6, 6) in seen
+    assert all(r is None or r.length <= 1 for r in eng.rows)
+
+
 @pytest.mark.parametrize("spec", [None, "paper"])
 def test_compiled_prefill_at_every_row(spec):
     """Prefills compiled with dynamic shapes (generate.py --compile_prefill) fill any row of a batch: the outputs

@@ -79,12 +79,14 @@ def test_answers_greedy_equal_session_tiny(compile):
 def test_answers_in_bf16_keep_a_bf16_cache_and_equal_session():
     """bf16 weights and kv_dtype bf16 (as make_data runs them): the engine's keys and values are bf16 and its
     compiled step attends with model.decode_attention; the answers equal single-sequence generation of the same
-    bf16 model (fp32 cache, PyTorch's attention) on a model without near-ties."""
+    bf16 model (fp32 cache, PyTorch's attention) on a model without near-ties. The prefills stay eager, as the
+    session's: a compiled bf16 prefill (Engine(compile=True)'s) keeps fp32 intermediates where eager rounds each op
+    to bf16, which here parts one answer at its first token."""
     model = tiny_target().to(torch.bfloat16)
     turns = tiny_turns(6, 64, seed=2)
     ref = session_answers(model, turns, {7})
     torch._dynamo.reset()
-    engine = Engine(model, 40, 4, compile=True, kv_dtype=torch.bfloat16)
+    engine = Engine(model, 40, 4, steps=Steps.compiled("cpu"), kv_dtype=torch.bfloat16)
     got, _ = engine_answers(model, turns, 4, 40, {7}, engine=engine)
     assert model.kv_caches()[0].k_cache.dtype == torch.bfloat16
     assert [a for a, _ in got] == ref
