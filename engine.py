@@ -555,13 +555,13 @@ class Engine:
         at several rows (8 rows of SmolLM2-135M, AVX-512 BF16 EPYC, one thread: a frozen vanilla step 59 -> 35 ms).
         A compiled engine of several rows on a CPU packs the model's linears for oneDNN where that is faster
         (gemm.py), and (compile, not given steps) compiles its prefills too (Steps.compiled's prefill_too): eager
-        prefills spent about a third of their time outside the GEMMs (SmolLM2-135M in bf16, 60-140 tokens, one
-        thread, AVX-512 BF16 EPYC: 126-274 -> 94-224 ms a prompt)."""
+        prefills spent a fifth or more of their time outside the GEMMs (SmolLM2-135M in bf16, 52-87 tokens, 8 rows,
+        frozen steps, one thread, AVX-512 BF16 EPYC: 106-178 -> 82-135 ms a prompt)."""
         if head is not None and not isinstance(tree, (Tree, DynamicTree)):
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device = max_seq_len, model.output.weight.device
-        several = (compile or (steps is not None and steps.is_compiled)) and max_rows > 1 and self.device.type == "cpu"
+        several = (steps.is_compiled if steps is not None else compile) and max_rows > 1 and self.device.type == "cpu"
         self.steps = steps or (Steps.compiled(self.device, several, inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
         weights = model.tok_embeddings.weight.dtype

@@ -7,8 +7,8 @@ one row well and several rows poorly; oneDNN's matmul on a weight packed ahead o
 several well. Measured on an AMD EPYC with AVX-512 BF16, one thread, a compiled frozen vanilla step of
 SmolLM2-135M over 8 rows: 98 ms with inductor's MKL-packed linears, 61 ms with these (one row: 41 against 50, so
 there one row keeps the compile kind's). bf16 weights: the frozen kinds' graphs pack them for oneDNN themselves,
-so only the eager prefills (and the default kind's graphs) take these; an eager bf16 prefill of 60 tokens there
-runs 114 ms against F.linear's 137.
+so only the prefills (eager, or compiled in the default kind) and the default kind's graphs take these; an eager
+bf16 prefill of 60 tokens there runs 114 ms against F.linear's 137.
 
     rows = gemm.pack_linears(model, frozen=True)  # once, before compiling (engine.Engine does it for its steps)
     # then a linear over at least `rows` rows (a step of that many rows, a prefill) runs packed; None: nothing
