@@ -19,7 +19,8 @@ Protocol:
   gap between our fp32 target's two best logits there (benchmark_batch.divergence): a near-tie that rounding, or
   low precision, can flip;
 - time to first token: --long_prompts held-out ShareGPT first turns of 600-1000 tokens (make_data.HELD_OUT:
-  never trained on), one at a time: ours (eager prefill) and vLLM's, at each precision.
+  never trained on), one at a time: ours (the first engine's prefill, compiled where that engine is compiled
+  and has several rows) and vLLM's, at each precision.
 
 Writes <out>/benchmark.json and benchmark.md (default out: results/<date>-<machine>-peers).
 """
