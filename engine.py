@@ -156,14 +156,32 @@ def draft_step(target: Transformer, head: EagleHead, tokens: Tensor, parent_feat
 
 
 
-def without_global_state_guard(guards) -> list:
-    """Dynamo's guard_filter_fn: keep every guard of a compiled step but the global-state one. That guard holds
-    torch.get_num_threads() among grad mode, autocast and the default dtype, so each change of the thread count
-    (the ThreadGovernor's, under load) recompiled every step in the middle of a generation: tens of seconds a
-    step with frozen, autotuned graphs (a first run went 0.9 tokens/s, issue 29). A step's inductor kernels
-    follow the thread count at run time anyway when compiled for every core (see warm_up). The rest of that state
-    is fixed for the steps: Session runs them under torch.no_grad(), never under autocast."""
-    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
+# what an engine changes on a model or head between calls of a compiled step: the KV caches (a row bucket's views,
+# a prefill's row, reallocated by setup_caches), the RoPE tables (reallocated with them) and which layers' states
+# the target returns (an EAGLE-3 head's)
+CHANGING = ("k_cache", "v_cache", "rope_cos", "rope_sin", "feature_layers")
+
+
+def step_guards(guards) -> list:
+    """Dynamo's guard_filter_fn for the compiled steps: which of a graph's guards are checked at every call.
+
+    Kept: every guard on the call's arguments and on globals, and those on the parts of a model or head that an
+    engine changes between calls (CHANGING). Dropped: the global-state guard, which holds torch.get_num_threads()
+    among grad mode, autocast and the default dtype, so that each change of the thread count (the ThreadGovernor's,
+    under load) recompiled every step in the middle of a generation (tens of seconds a step with frozen, autotuned
+    graphs: issue 29; a step's inductor kernels follow the thread count at run time anyway when compiled for every
+    core, and the rest of that state is fixed for the steps: they run under torch.no_grad(), never under autocast);
+    and the guards on everything else of the modules: their structure, attributes and weights, about 5,600 checks a
+    call that cost 0.5-1.3 ms of a 10-15 ms one-row step (AMD EPYC, one thread). A compiled step therefore assumes
+    that its model and head keep the modules, attributes and weights they had when it compiled (quantize or swap a
+    head first, then make the Steps); an engine keeps them so."""
+    keep = []
+    for guard in guards:
+        source = guard.orig_guard.source
+        on_module = source is not None and source.is_unspecialized_nn_module()
+        keep.append(guard.guard_type != "GLOBAL_STATE"
+                    and (not on_module or any(name in guard.name for name in CHANGING)))
+    return keep
 
 
 def own_code(f: Callable, tag: str) -> Callable:
@@ -183,7 +201,7 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, tag: Optio
     (as when the benchmark runs both). tag: a code object of its own for this caller too (each Engine: a process
     of many engines, e.g. three precisions at four batch sizes, would exceed Dynamo's recompile limit)."""
     if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
-        options = {**options, "options": {"guard_filter_fn": without_global_state_guard}}
+        options = {**options, "options": {"guard_filter_fn": step_guards, "size_asserts": False}}
     if inductor_config:
         tag = f"{zlib.crc32(json.dumps(inductor_config, sort_keys=True).encode()):08x}" + (f"_{tag}" if tag else "")
     if tag:
@@ -422,6 +440,12 @@ class Steps:
 EAGER = Steps()
 
 
+def compiles_prefills(max_rows: int, device) -> bool:
+    """Whether a compiled engine of max_rows compiles its prefills too (and packs its linears, gemm.py): several
+    rows on a CPU (see Engine). A caller that makes the Steps itself asks here, as generate.py --batch_size does."""
+    return max_rows > 1 and torch.device(device).type == "cpu"
+
+
 def row_buckets(max_rows: int) -> list:
     """The row counts a step runs at: powers of two below max_rows, and max_rows (each a graph of its own when
     compiled)."""
@@ -561,7 +585,7 @@ class Engine:
             raise UsageError("EAGLE needs a tree: chain-N, paper, a list of paths, +lookup-N or dynamic-K-D-N")
         self.model, self.head, self.tree, self.batch_size = model, head, tree, max_rows
         self.max_seq_len, self.device = max_seq_len, model.output.weight.device
-        several = (steps.is_compiled if steps is not None else compile) and max_rows > 1 and self.device.type == "cpu"
+        several = (steps.is_compiled if steps is not None else compile) and compiles_prefills(max_rows, self.device)
         self.steps = steps or (Steps.compiled(self.device, several, inductor_config) if compile else EAGER)
         self.compiled = self.steps.is_compiled
         weights = model.tok_embeddings.weight.dtype

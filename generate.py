@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from eagle_head import EagleHead, load_head
-from engine import EAGER, Adaptation, Engine, Sampling, Session, Stats, Steps, UsageError
+from engine import EAGER, Adaptation, Engine, Sampling, Session, Stats, Steps, UsageError, compiles_prefills
 from model import DEFAULT_CHECKPOINT, DTYPES, REPO_ROOT, CheckpointError, ModelArgs, Transformer
 from tree import parse_tree
 from tuning import (AUTOTUNE_CHOICES, COMPILE_KINDS, PRECISIONS, START_WINDOW_S, ThreadGovernor, auto_tree_choice,
@@ -230,7 +230,8 @@ def parse_args(argv=None):
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
     p.add_argument("--batch_size", type=int, default=1, help="sequences decoded together (engine.py): the "
                    "prompts x samples run this many at a time, a finished row taking the next at once")
-    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape)")
+    p.add_argument("--compile_prefill", action="store_true", help="also compile the prefill (dynamic shape; "
+                   "a --compile batch of several rows on a CPU compiles its prefills anyway)")
     args = p.parse_args(argv)
     check_model_arguments(args)
     if args.max_new_tokens < 1 or args.num_samples < 1 or args.batch_size < 1:
@@ -264,7 +265,8 @@ def main(argv=None):
     model, tokenizer, head, tree = load(args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     compiled = args.compile or args.compile_prefill
-    steps = Steps.compiled(args.device, args.compile_prefill, COMPILE_KINDS[args.compile_kind]) if compiled else EAGER
+    prefills = args.compile_prefill or compiles_prefills(args.batch_size, args.device)  # the engine's rule
+    steps = Steps.compiled(args.device, prefills, COMPILE_KINDS[args.compile_kind]) if compiled else EAGER
     if args.chat:
         session = Session(model, args.max_seq_len, head, tree, steps, adaptation_for(args, head))
         if compiled:

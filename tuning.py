@@ -68,7 +68,7 @@ class ThreadGovernor:
     (issue 29), and no waiting policy is free when idle. Other processes' load is all CPUs' busy time less
     this process's own, so our own threads never count. Without /proc (not Linux) it leaves PyTorch's default.
     torch.set_num_threads reaches ATen's kernels at once, and inductor's too where they were compiled for every
-    core (warm_up compiles them so); the change recompiles nothing (without_global_state_guard)."""
+    core (warm_up compiles them so); the change recompiles nothing (engine.step_guards)."""
 
     def __init__(self, cpus: int, interval: float = 1.0, read: Callable = read_proc, clock: Callable = time.monotonic):
         self.cpus, self.interval, self.read, self.clock = cpus, interval, read, clock

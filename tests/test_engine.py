@@ -120,6 +120,47 @@ def test_compiled_engine_does_not_recompile(spec, kind):
         assert eng.generate(prompts + warm, n, Sampling(), {7})[0] == eager + warm_ref
 
 
+def test_compiled_steps_check_only_what_engines_change(monkeypatch):
+    """A compiled step checks the guards on its arguments and on what an engine changes between calls (the KV
+    caches, the RoPE tables, the target's feature_layers: engine.CHANGING), not the thousands on the modules'
+    structure and weights (0.5-1.3 ms a call): it still follows the changes an engine makes (EAGLE-3's fused
+    features, caches reallocated longer) with the eager numbers, and a thread count change recompiles nothing."""
+    kept, step_guards = [], engine.step_guards
+
+    def counting(guards):
+        keep = step_guards(guards)
+        kept.append((sum(keep), len(keep)))
+        return keep
+
+    monkeypatch.setattr(engine, "step_guards", counting)
+    model = tiny_target()
+    model.setup_caches(1, 16)
+    verify = engine.compile_step(engine.verify_rows, tag="guards", fullgraph=True, dynamic=False)
+    tokens, pos = torch.tensor([[3, 5]]), torch.tensor([[4, 5]])
+    mask = torch.ones(1, 1, 2, 16, dtype=torch.bool)
+
+    def both():
+        return verify(model, tokens, pos, pos, mask, True), engine.verify_rows(model, tokens, pos, pos, mask, True)
+    (out, features), (ref, ref_features) = both()
+    assert torch.equal(out, ref) and torch.allclose(features, ref_features, atol=1e-5)
+    assert kept and all(k < n // 4 for k, n in kept)  # most guards dropped
+    model.feature_layers = (0, 1)  # an EAGLE-3 head's taps: the step recompiles and returns the fused states
+    (_, features), (_, ref_features) = both()
+    assert features.shape[-1] == 2 * model.config.dim and torch.allclose(features, ref_features, atol=1e-5)
+    model.feature_layers = None
+    model.setup_caches(1, 32)  # new, longer caches: the step follows them
+    mask = torch.ones(1, 1, 2, 32, dtype=torch.bool)
+    (out, features), (ref, ref_features) = both()
+    assert torch.equal(out, ref) and torch.allclose(features, ref_features, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(1, threads - 1) if threads > 1 else 2)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            both()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_engine_refuses_bad_input():
     model = tiny_target()
     with pytest.raises(UsageError, match="needs a tree"):
