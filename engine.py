@@ -727,11 +727,11 @@ class Engine:
     def first_rows(self, n: int):
         """Within the block the KV caches (target's and head's) are their first n rows: views made once per bucket
         and kept, since graphs compiled with frozen weights are specialised to their cache tensors' identity."""
-        caches = self.model.kv_caches() + ([] if self.head is None else self.head.kv_caches())
-        full = [(c.k_cache, c.v_cache) for c in caches]
-        if n == full[0][0].shape[0]:
+        if n == self.batch_size:  # all of them (the caches have batch_size rows, see setup_caches)
             yield
             return
+        caches = self.model.kv_caches() + ([] if self.head is None else self.head.kv_caches())
+        full = [(c.k_cache, c.v_cache) for c in caches]
         bases, views = self.views.get(n, (None, None))
         if bases is None or any(a is not b for pair, now in zip(bases, full) for a, b in zip(pair, now)):
             bases, views = full, [(k[:n], v[:n]) for k, v in full]
