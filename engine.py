@@ -199,7 +199,9 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, tag: Optio
     as a copy with a code object of its own: Dynamo keeps compiled graphs on the function's code object and
     would otherwise hand this step the graph a default compile of the same function made earlier in the process
     (as when the benchmark runs both). tag: a code object of its own for this caller too (each Engine: a process
-    of many engines, e.g. three precisions at four batch sizes, would exceed Dynamo's recompile limit)."""
+    of many engines, e.g. three precisions at four batch sizes, would exceed Dynamo's recompile limit). Without a
+    mode (CPU), the graph checks step_guards' guards at each call and its wrapper no size asserts (inductor's
+    assert_size_stride on every input, ~760 a one-row step: the guards on the arguments check their shapes)."""
     if "mode" not in options:  # torch.compile takes a mode or options, not both; the governor is CPU-only
         options = {**options, "options": {"guard_filter_fn": step_guards, "size_asserts": False}}
     if inductor_config:
