@@ -188,7 +188,7 @@ def main(argv=None):
 def summarize(result: dict) -> str:
     m = result["machine"]
     lines = [f"# This checkout ({result['code'].get('commit', '?')[:7]}) against {result['baseline']}", "",
-             f"{m.get('processor', '?')} (CPU family {m.get('cpu_family', '?')}, {m.get('isa', '?')}), one thread, both workers on one core; "
+             f"{m.get('processor', '?')} (CPU {m.get('cpu_family', '?')}, {m.get('isa', '?')}), one thread, both workers on one core; "
              f"{result['args']['precision']}, {len(result['questions'])} MT-bench first turns, "
              f"{result['args']['max_new_tokens']} new tokens at most, greedy.", "",
              "| single sequence | baseline tokens/s | this | ratio | baseline decode tokens/s | this | ratio | same text |",
