@@ -123,6 +123,7 @@ def main(argv=None):
     p.add_argument("--kinds", nargs="+", default=["default"], help="compile kinds of this checkout's batches "
                    "(tuning.COMPILE_KINDS; the baseline's batches compile by default only)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip_single", action="store_true", help="batches only (no single-sequence comparison)")
     p.add_argument("--core", type=int, default=0, help="the core both workers are pinned to")
     p.add_argument("--out", type=Path, help="the results folder (required)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -152,11 +153,12 @@ def main(argv=None):
               "single": {}, "batches": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     order = list(workers)
-    for config in SINGLE:  # compile first, outside the timings
+    singles = [] if args.skip_single else SINGLE
+    for config in singles:  # compile first, outside the timings
         for w in workers.values():
             w.ask(cmd="warm", config=config, prompt=prompts[0])
-    for i, prompt in enumerate(prompts):
-        for config in SINGLE:
+    for i, prompt in enumerate(prompts if singles else []):
+        for config in singles:
             order.reverse()  # who goes first alternates
             for name in order:
                 r = workers[name].ask(cmd="single", config=config, prompt=prompt, n=args.max_new_tokens, stop=stop)
