@@ -192,9 +192,10 @@ def summarize(result: dict) -> str:
     lines = [f"# This checkout ({result['code'].get('commit', '?')[:7]}) against {result['baseline']}", "",
              f"{m.get('processor', '?')} (CPU {m.get('cpu_family', '?')}, {m.get('isa', '?')}), one thread, both workers on one core; "
              f"{result['args']['precision']}, {len(result['questions'])} MT-bench first turns, "
-             f"{result['args']['max_new_tokens']} new tokens at most, greedy.", "",
-             "| single sequence | baseline tokens/s | this | ratio | baseline decode tokens/s | this | ratio | same text |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{result['args']['max_new_tokens']} new tokens at most, greedy.", ""]
+    if result["single"]:  # none with --skip_single
+        lines += ["| single sequence | baseline tokens/s | this | ratio | baseline decode tokens/s | this | ratio "
+                  "| same text |", "|---|---|---|---|---|---|---|---|"]
     for config, by in result["single"].items():
         med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in by.items()}
         dec = {n: statistics.median(r["decode_tokens_per_s"] for r in rs) for n, rs in by.items()}
@@ -202,7 +203,8 @@ def summarize(result: dict) -> str:
         lines.append(f"| {config} | {med['baseline']:.1f} | {med['this']:.1f} | {med['this'] / med['baseline']:.3f} "
                      f"| {dec['baseline']:.1f} | {dec['this']:.1f} | {dec['this'] / dec['baseline']:.3f} "
                      f"| {same}/{len(by['this'])} |")
-    lines += ["", "| batch (every prompt, B rows) | baseline tokens/s | this | ratio |", "|---|---|---|---|"]
+    lines += [""] * bool(result["single"]) + ["| batch (every prompt, B rows) | baseline tokens/s | this | ratio |",
+                                               "|---|---|---|---|"]
     for key, by in result["batches"].items():
         med = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in by.items()}
         base = f"{med['baseline']:.1f}" if "baseline" in med else "-"

@@ -25,3 +25,15 @@ def test_summary_takes_ratios_of_medians_and_counts_equal_texts():
     assert "| vanilla | 60.0 | 66.0 | 1.100 | 70.0 | 72.0 | 1.029 | 2/3 |" in lines
     assert "| vanilla B=8 default | 100.0 | 134.0 | 1.340 |" in lines
     assert "| vanilla B=8 frozen | - | 125.8 | - |" in lines
+
+
+def test_summary_without_single_sequences_has_the_batch_table_only():
+    """--skip_single: no single-sequence table, the batch table right after the header."""
+    result = {"machine": {"processor": "AMD EPYC", "cpu_family": "family 25 model 17", "isa": "avx512-bf16"},
+              "code": {"commit": "b8af494abc"}, "baseline": "e433e46", "questions": [81],
+              "args": {"precision": "int4", "max_new_tokens": "256"}, "single": {},
+              "batches": {"vanilla B=2 default": {"baseline": [{"tokens_per_s": 98.1}], "this": [{"tokens_per_s": 114.4}]}}}
+    lines = compare_versions.summarize(result).splitlines()
+    assert not any("single sequence" in line for line in lines)
+    assert lines[4:] == ["| batch (every prompt, B rows) | baseline tokens/s | this | ratio |", "|---|---|---|---|",
+                         "| vanilla B=2 default | 98.1 | 114.4 | 1.166 |"]
