@@ -3,9 +3,13 @@ import os
 import pytest
 import torch
 
+from model import CheckpointError
 from tokenizer import ensure_default_model
 
-torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # never more threads than cores we may use
+# never more threads than cores we may use; under pytest -n N (pytest-xdist) N worker processes share them, one
+# thread each (a second thread on a core another worker keeps busy makes small steps several times slower)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else min(2, len(os.sched_getaffinity(0))))
 
 
 def pytest_addoption(parser):
@@ -15,6 +19,11 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: a test that runs on --device (the GPU check selects these)")
+    if WORKER is None and getattr(config.option, "numprocesses", None):  # -n: convert once, before workers start
+        try:
+            ensure_default_model()
+        except CheckpointError:
+            pass  # the tests that need the model say so themselves
 
 
 @pytest.fixture(scope="session")
