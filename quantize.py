@@ -52,11 +52,12 @@ for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).addFilter(KnownImportNoise())
 import torchao  # noqa: E402
 from torchao.prototype.quantization.int4 import Int4OpaqueTensor, PrototypeInt4WeightOnlyConfig  # noqa: E402
-from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_  # noqa: E402
+from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,  # noqa: E402
+                                  Int8WeightOnlyConfig, quantize_)
 from torchao.quantization.granularity import PerRow  # noqa: E402
 from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor, Int8Tensor  # noqa: E402
 
-QUANTIZED_NAME = re.compile(r"model_(int8|int4)(?:\.g(\d+))?\.pth")  # what quantize.py writes
+QUANTIZED_NAME = re.compile(r"model_(int8|int4|w8a8)(?:\.g(\d+))?\.pth")  # what quantize.py writes
 
 
 class QuantizeError(ValueError):
@@ -77,7 +78,26 @@ class Int8WeightOnly:
         pass
 
     def is_quantized(self, weight) -> bool:
-        return isinstance(weight, Int8Tensor)
+        return isinstance(weight, Int8Tensor) and weight.act_quant_kwargs is None
+
+
+class Int8DynamicActivation:
+    """int8 weights, one scale per output row, and int8 activations, one scale per token computed at each call:
+    the GEMM itself runs in integers (on CPU oneDNN's u8 x s8 kernel, W8A8CPULinear)."""
+    mode, groupsize, file_name = "w8a8", None, "model_w8a8.pth"
+
+    def config(self, device_type: str):
+        return Int8DynamicActivationInt8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+
+    def packed_for(self, device_type: str) -> str:
+        return "any"
+
+    def check_linear(self, name: str, linear: nn.Linear, device_type: str):
+        if device_type == "cpu" and not torch.backends.mkldnn.is_available():
+            raise QuantizeError("w8a8 on CPU needs PyTorch's oneDNN (mkldnn) build; use int8 or int4")
+
+    def is_quantized(self, weight) -> bool:
+        return isinstance(weight, Int8Tensor) and weight.act_quant_kwargs is not None
 
 
 class Int4WeightOnly:
@@ -139,6 +159,50 @@ class Int8CPULinear(CPUKernelLinear):
         return torch._weight_int8pack_mm(x, self.int8_weight, self.int8_scales)
 
 
+# eagle_quant::int8_linear: oneDNN's int8 linear on a weight prepacked once (an opaque tensor torch.compile cannot
+# trace, found by index in INT8_PACKED), so compiled graphs keep it as one call; the activations' quantization
+# around it stays in the graph, where inductor fuses it
+INT8_PACKED: list = []  # (prepacked int8 weight, its zero points) by W8A8CPULinear.packed_index
+LIBRARY = torch.library.Library("eagle_quant", "DEF")
+LIBRARY.define("int8_linear(Tensor xq, Tensor weight, Tensor scales, int index) -> Tensor")
+
+
+def int8_linear(xq: Tensor, weight: Tensor, scales: Tensor, index: int) -> Tensor:
+    """(xq [rows, in] uint8, 128 meaning 0) @ weight.T [in, out] int8, times scales [out]: fp32 [rows, out]."""
+    packed, zeros = INT8_PACKED[index]
+    return torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, packed, scales, zeros, None, 1.0, 0, torch.float32,
+                                              "none", [], "")
+
+
+LIBRARY.impl("int8_linear", int8_linear, "CPU")
+torch.library.register_fake("eagle_quant::int8_linear", lambda xq, weight, scales, index: xq.new_empty(
+    xq.shape[0], weight.shape[0], dtype=torch.float32), lib=LIBRARY)
+
+
+class W8A8CPULinear(CPUKernelLinear):
+    """torchao's Int8Tensor weight with per-token int8 activations (Int8DynamicActivation) through oneDNN's int8
+    linear: each row of x is scaled by its own absolute maximum / 127 and rounded, the integer products are
+    summed exactly in int32 (so a row's result does not depend on the other rows) and scaled back by the weight
+    row's and the token's scales."""
+
+    @classmethod
+    def convert(cls, linear: nn.Linear):
+        linear.__class__ = cls
+        weight = linear.weight
+        linear.register_buffer("int8_weight", weight.qdata, persistent=False)
+        linear.register_buffer("int8_scales", weight.scale.reshape(-1).float().contiguous(), persistent=False)
+        INT8_PACKED.append((torch.ops.onednn.qlinear_prepack(weight.qdata, None),
+                            torch.zeros(weight.qdata.shape[0], dtype=torch.int64)))
+        linear.packed_index = len(INT8_PACKED) - 1
+
+    def kernel(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        scale = (x32.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)  # one per token
+        xq = (torch.round(x32 / scale) + 128).to(torch.uint8)  # 1..255
+        y = torch.ops.eagle_quant.int8_linear(xq, self.int8_weight, self.int8_scales, self.packed_index)
+        return (y * scale).to(x.dtype)
+
+
 class Int4CPULinear(CPUKernelLinear):
     """torchao's Int4OpaqueTensor weight through the kernel call torchao makes itself, on plain tensors:
     the same numbers, with torch.compile's guards checked in C++, not in Python per tensor subclass."""
@@ -163,17 +227,21 @@ def use_cpu_kernels(model: nn.Module):
         if not isinstance(linear, nn.Linear) or isinstance(linear, CPUKernelLinear) or linear.weight.device.type != "cpu":
             continue
         weight = linear.weight
-        if isinstance(weight, Int8Tensor) and weight.dtype == torch.bfloat16:
+        if isinstance(weight, Int8Tensor) and weight.act_quant_kwargs is not None:
+            W8A8CPULinear.convert(linear)
+        elif isinstance(weight, Int8Tensor) and weight.dtype == torch.bfloat16:
             Int8CPULinear.convert(linear, torch.bfloat16)
         elif isinstance(weight, Int4OpaqueTensor) and weight.act_mapping_type is None and weight.act_pre_scale is None:
             Int4CPULinear.convert(linear)
 
 
 def handler_for(mode: str, groupsize: Optional[int] = None):
-    if mode not in ("int8", "int4"):
-        raise QuantizeError(f"unknown quantization mode {mode!r}; use int8 or int4")
-    if mode == "int8" and groupsize is not None:
-        raise QuantizeError("int8 uses one scale per output row; --groupsize applies to int4 only")
+    if mode not in ("int8", "int4", "w8a8"):
+        raise QuantizeError(f"unknown quantization mode {mode!r}; use int8, int4 or w8a8")
+    if mode != "int4" and groupsize is not None:
+        raise QuantizeError(f"{mode} uses one scale per output row; --groupsize applies to int4 only")
+    if mode == "w8a8":
+        return Int8DynamicActivation()
     return Int8WeightOnly() if mode == "int8" else Int4WeightOnly(32 if groupsize is None else groupsize)
 
 
