@@ -390,7 +390,7 @@ def quantized_checkpoint(checkpoint: Path, mode: str, device: str = "cpu") -> Pa
 def main(argv=None):
     p = argparse.ArgumentParser(description="Weight-only int8 / int4 quantization (torchao) of a model.pth.")
     p.add_argument("--checkpoint_path", type=Path, help="model.pth (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--mode", required=True, choices=["int8", "int4"])
+    p.add_argument("--mode", required=True, choices=["int8", "int4", "w8a8"])
     p.add_argument("--groupsize", type=int, choices=[32, 64, 128], help="int4 group size (default 32)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: int4 is packed for this device type")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),

@@ -62,7 +62,7 @@ INSTALL_HINT = "bash scripts/install_peers.sh"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 2, 4, 8], help="requests in flight (N)")
-    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int4"], default=["fp32", "bf16", "int4"],
+    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int4", "w8a8"], default=["fp32", "bf16", "int4"],
                    help="ours at each; vLLM at fp32 and bf16 (it has no int4 CPU path here)")
     p.add_argument("--tree", default="chain-1", help="our EAGLE tree at every N (vLLM's k=1 is chain-1)")
     p.add_argument("--kinds", nargs="+", choices=list(COMPILE_KINDS), default=["default"],

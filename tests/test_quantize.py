@@ -1,4 +1,4 @@
-"""quantize.py: int8 / int4 (group 32) weight-only quantization of the default model on CPU.
+"""quantize.py: int8 / int4 (group 32) weight-only and w8a8 quantization of the default model on CPU.
 
 Quality against the float model on held-out ShareGPT assistant text, save/load round trip, EAGLE
 losslessness relative to the quantized target, and the one-line errors for files that do not fit.
@@ -9,7 +9,8 @@ quantization, agrees with float32 on 96.5% of such tokens, and torchao's int8 we
 reach 95.5% (per row) to 97.7% (per group of 32) even with float32 activations. So int8 is held to
 93% here (measured 95.2%), not the issue's 99%. int4 with group 32 is exact up to bfloat16 rounding
 (100% in float32) because the default model comes from a Q4_1 GGUF: the same 16-level grid per 32
-weights; its LM head (Q8_0 in the GGUF) stays float, as quantize.py does by default.
+weights; its LM head (Q8_0 in the GGUF) stays float, as quantize.py does by default. w8a8 (int8 weights and
+int8 activations, one scale per token) is held to 84% and a perplexity 6% above float32's (measured 86.6%, +4.3%).
 """
 import importlib.util
 import json
@@ -29,8 +30,8 @@ from tokenizer import Tokenizer
 from tree import parse_tree
 
 DTYPE = torch.bfloat16
-MIN_TOP1_AGREEMENT = {"int8": 0.93, "int4": 0.95}
-MAX_PERPLEXITY_RATIO = {"int8": 1.03, "int4": 1.02}
+MIN_TOP1_AGREEMENT = {"int8": 0.93, "int4": 0.95, "w8a8": 0.84}
+MAX_PERPLEXITY_RATIO = {"int8": 1.03, "int4": 1.02, "w8a8": 1.06}
 TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128,
                "tie_word_embeddings": True}
@@ -87,7 +88,7 @@ def float_logits(default_checkpoint, held_out):
     return answer_logits(Transformer.from_checkpoint(default_checkpoint), held_out)
 
 
-@pytest.fixture(scope="module", params=[("int8", None), ("int4", 32)], ids=["int8", "int4-g32"])
+@pytest.fixture(scope="module", params=[("int8", None), ("int4", 32), ("w8a8", None)], ids=["int8", "int4-g32", "w8a8"])
 def quantized(request, default_checkpoint, tmp_path_factory):
     """(mode, the quantized model in memory, its saved file in a temporary checkpoint directory)."""
     mode, groupsize = request.param
@@ -125,11 +126,11 @@ def test_save_then_load_is_bit_identical(quantized, held_out):
     assert type(loaded.layers[0].feed_forward.w1.weight) is type(model.layers[0].feed_forward.w1.weight)
 
 
-CPU_KERNEL_LINEAR = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear}
+CPU_KERNEL_LINEAR = {"int8": quantize.Int8CPULinear, "int4": quantize.Int4CPULinear, "w8a8": quantize.W8A8CPULinear}
 EAGLE_LAYERS = 4  # of the default model's 30: greedy equality does not depend on depth
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"], ids=["int8", "int4-g32"])
+@pytest.fixture(scope="module", params=["int8", "int4", "w8a8"], ids=["int8", "int4-g32", "w8a8"])
 def shallow_quantized(request, default_checkpoint, device):
     """The default model cut to its first EAGLE_LAYERS layers and quantized as generate.py runs it fastest on
     this CPU: bfloat16 activations and a quantized LM head (int8 through ATen's CPU int8 kernel, int4
@@ -204,7 +205,8 @@ def one_line_error(path, **kwargs) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("mode, name", [("int8", "model_int8.pth"), ("int4", "model_int4.g32.pth")])
+@pytest.mark.parametrize("mode, name", [("int8", "model_int8.pth"), ("int4", "model_int4.g32.pth"),
+                                        ("w8a8", "model_w8a8.pth")])
 def test_quantized_lm_head_is_an_untied_copy_and_drafts(tiny_checkpoint, mode, name):
     """--quantize_lm_head: the embedding keeps its float matrix, and EAGLE drafts through the
     quantized LM head, greedy output still equal to vanilla."""
@@ -214,7 +216,7 @@ def test_quantized_lm_head_is_an_untied_copy_and_drafts(tiny_checkpoint, mode, n
     assert torch.equal(model.tok_embeddings.weight, float_model.tok_embeddings.weight)
     assert type(model.output.weight) is not type(model.tok_embeddings.weight)
     metadata = torch.load(tiny_checkpoint.parent / name, weights_only=True)["quantization"]
-    assert metadata["device"] == ("any" if mode == "int8" else "cpu") and metadata["dtype"] == "bfloat16"
+    assert metadata["device"] == ("cpu" if mode == "int4" else "any") and metadata["dtype"] == "bfloat16"
 
     prompt = list(range(1, 9))
     expected, _ = Session(model, 64).generate(prompt, 24, Sampling())
@@ -244,7 +246,7 @@ def test_shapes_the_int4_kernel_cannot_take_are_refused(tiny_checkpoint):
         quantize.main(["--checkpoint_path", str(tiny_checkpoint), "--mode", "int4", "--groupsize", "64"])
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_dequantized_weight_computes_what_the_quantized_linear_does(mode):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 32, bias=False).to(DTYPE)
@@ -259,7 +261,7 @@ def test_dequantized_weight_computes_what_the_quantized_linear_does(mode):
     assert quantize.dequantized(float_weight) is float_weight
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_cpu_kernel_linear_computes_what_torchao_linear_does(mode):
     """Int8CPULinear (ATen's int8 kernel) and Int4CPULinear (the int4 call torchao makes, on plain tensors)
     against torchao's own linear on the same weight, bfloat16 activations, for one and several rows; the
@@ -280,3 +282,19 @@ def test_cpu_kernel_linear_computes_what_torchao_linear_does(mode):
             assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+
+
+def test_w8a8_rows_do_not_depend_on_each_other():
+    """Each token's activations get their own scale and oneDNN sums the integer products exactly, so a batch's
+    rows equal each row alone (batched rows == single rows, bit for bit), eager and compiled."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False).to(DTYPE))
+    quantize_(model, quantize.handler_for("w8a8").config("cpu"))
+    quantize.use_cpu_kernels(model)
+    assert type(model[0]) is quantize.W8A8CPULinear
+    x = torch.randn(6, 64, dtype=DTYPE) * torch.logspace(-2, 2, 6, dtype=DTYPE)[:, None]  # rows of unlike scales
+    step = torch.compile(lambda t: model(t), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        together = model(x)
+        assert torch.equal(together, torch.cat([model(x[i:i + 1]) for i in range(6)]))
+        assert torch.equal(step(x), together)
