@@ -1,22 +1,25 @@
-"""Weight-only int8 and int4 quantization of a target model, with torchao's tensor subclasses.
+"""Weight-only int8 and int4 quantization of a target model, and w8a8 (int8 weights and activations), with
+torchao's tensor subclasses.
 
     python quantize.py --mode int8                      # -> model_int8.pth beside model.pth
+    python quantize.py --mode w8a8                      # -> model_w8a8.pth: activations int8 too, per token
     python quantize.py --mode int4 --groupsize 32       # -> model_int4.g32.pth, packed for CPU
     python quantize.py --mode int4 --device cuda        # the same, packed for CUDA (tinygemm)
     python generate.py --checkpoint .../model_int4.g32.pth --dtype bfloat16 --eagle
 
-One handler class per scheme, each wrapping a torchao weight-only configuration: int8
+One handler class per scheme, each wrapping a torchao configuration: int8
 (`Int8WeightOnlyConfig`, one scale per output row: one file for any device) and int4 (a scale and zero
 point per `groupsize` inputs in the tinygemm layout of one device type: `PrototypeInt4WeightOnlyConfig`
-on CPU, `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")` on CUDA, bfloat16 only). On CPU
-the linears then call ATen's kernels themselves, on plain buffers (`Int8CPULinear`, `Int4CPULinear`;
-why, and the accuracy of each scheme: docs/quantization.md). A file runs in the activation dtype it was
+on CPU, `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")` on CUDA, bfloat16 only), and w8a8
+(`Int8DynamicActivationInt8WeightConfig`: int8 weights per row, activations int8 per token at each call). On CPU
+the linears then call ATen's or oneDNN's kernels themselves, on plain buffers (`Int8CPULinear`,
+`Int4CPULinear`, `W8A8CPULinear`; why, and the accuracy of each scheme: docs/quantization.md). A file runs in the activation dtype it was
 quantized in; its device type, dtype and group size are recorded in it and checked on load.
 
 Every nn.Linear of the decoder is quantized; the token embedding and, unless --quantize_lm_head, the LM
 head stay in float (a quantized LM head of tied embeddings is a copy of the shared matrix). An EAGLE head
 on an int4 target is quantized the same way as it loads (its linears and its rows of the LM head); on an
-int8 target it stays in float.
+int8 or w8a8 target it stays in float.
 
 File layout: {"quantization": {mode, groupsize, device ("cpu" / "cuda" / "any"), dtype, lm_head,
 torchao version}, "state_dict": the model's state dict}. `dequantized` turns any of these weights back
