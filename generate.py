@@ -57,7 +57,7 @@ def load(args):
         else:  # fp32 / bf16: the dtype of that name
             args.dtype = next(name for name, dtype in DTYPES.items() if PRECISIONS.get(dtype) == precision)
     dtype = DTYPES.get(args.dtype)
-    if args.quantize or checkpoint.name.startswith(("model_int", "model_w8a8")):  # torchao is imported for quantized files only
+    if args.quantize or checkpoint.name.startswith(("model_int", "model_w8a8")):  # torchao: for quantized files only
         import quantize
         if args.quantize:
             if quantize.QUANTIZED_NAME.fullmatch(checkpoint.name):
@@ -183,8 +183,8 @@ def add_model_arguments(p: argparse.ArgumentParser):
     p.add_argument("--max_seq_len", type=int, default=2048)
     p.add_argument("--threads", type=int, help="CPU threads (default: one per core that other processes leave "
                    "free, re-checked every second; OMP_NUM_THREADS, if set, instead)")
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "int4", "w8a8"], help="instead of --dtype and "
-                   "--quantize; auto: the one this machine's cost profile predicts fastest (with --eagle: with EAGLE)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8", "int4", "w8a8"], help="instead of "
+                   "--dtype and --quantize; auto: the one this machine's cost profile predicts fastest (with --eagle: with EAGLE)")
     p.add_argument("--quantize", choices=["int8", "int4", "w8a8"], help="run int8 / int4 weights (w8a8: int8 "
                    "weights and activations), quantized from the float checkpoint on first use into a file beside "
                    "it (quantize.py's, int4 with --quantize_lm_head)")

@@ -11,10 +11,11 @@ One handler class per scheme, each wrapping a torchao configuration: int8
 (`Int8WeightOnlyConfig`, one scale per output row: one file for any device) and int4 (a scale and zero
 point per `groupsize` inputs in the tinygemm layout of one device type: `PrototypeInt4WeightOnlyConfig`
 on CPU, `Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")` on CUDA, bfloat16 only), and w8a8
-(`Int8DynamicActivationInt8WeightConfig`: int8 weights per row, activations int8 per token at each call). On CPU
-the linears then call ATen's or oneDNN's kernels themselves, on plain buffers (`Int8CPULinear`,
-`Int4CPULinear`, `W8A8CPULinear`; why, and the accuracy of each scheme: docs/quantization.md). A file runs in the activation dtype it was
-quantized in; its device type, dtype and group size are recorded in it and checked on load.
+(`Int8DynamicActivationInt8WeightConfig`: int8 weights per row, activations int8 per token at each call).
+On CPU the linears then call ATen's or oneDNN's kernels themselves, on plain buffers (`Int8CPULinear`,
+`Int4CPULinear`, `W8A8CPULinear`; why, and the accuracy of each scheme: docs/quantization.md). A file runs
+in the activation dtype it was quantized in; its device type, dtype and group size are recorded in it and
+checked on load.
 
 Every nn.Linear of the decoder is quantized; the token embedding and, unless --quantize_lm_head, the LM
 head stay in float (a quantized LM head of tied embeddings is a copy of the shared matrix). An EAGLE head
@@ -391,7 +392,7 @@ def quantized_checkpoint(checkpoint: Path, mode: str, device: str = "cpu") -> Pa
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Weight-only int8 / int4 quantization (torchao) of a model.pth.")
+    p = argparse.ArgumentParser(description="Weight-only int8 / int4 and w8a8 quantization (torchao) of a model.pth.")
     p.add_argument("--checkpoint_path", type=Path, help="model.pth (default: SmolLM2-135M-Instruct)")
     p.add_argument("--mode", required=True, choices=["int8", "int4", "w8a8"])
     p.add_argument("--groupsize", type=int, choices=[32, 64, 128], help="int4 group size (default 32)")

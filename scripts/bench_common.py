@@ -30,8 +30,9 @@ from tuning import cpu_family, instruction_set  # noqa: E402
 # precision -> activation dtype; int8 / int4 are quantize.py's weight-only schemes (LM head included, int4
 # with g32), quantized in memory at load: their fastest configurations here. int4f keeps the LM head in
 # bf16 (quantize.py's default file, slower but closer to fp32). An EAGLE head on an int4 target is int4
-# too, as in generate.py.
-QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int4f": ("int4", False), "w8a8": ("w8a8", True)}  # mode, LM head too
+# too, as in generate.py. w8a8 (int8 weights and activations) quantizes its LM head too.
+QUANTIZED = {"int8": ("int8", True), "int4": ("int4", True), "int4f": ("int4", False),  # mode, LM head too
+             "w8a8": ("w8a8", True)}
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
