@@ -149,7 +149,7 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
         start = time.perf_counter()
         sessions[args.batch_sizes[0], "vanilla", args.kinds[0]].generate([ids], 1, sampling, stop_ids)
         ttft.append(time.perf_counter() - start)
-    return {"runs": runs, "ttft_s": ttft, "warmup_s": warm, "model": model}
+    return {"runs": runs, "ttft_s": ttft, "warmup_s": warm}
 
 
 def vllm(args, hf_dir: Path, vllm_head: Path, precision: str, k: int, prompts: list, longs: list, stop_ids,
@@ -273,10 +273,12 @@ def ratios(rows: list, batch_sizes: list) -> dict:
     return out
 
 
-def reference_outs(checkpoint: Path, prompts: list, max_new_tokens: int, stop_ids) -> list:
-    """Ours fp32 vanilla one at a time (eager): the texts every other is compared with."""
-    engine = Engine(load_target(checkpoint, "fp32", "cpu"), max(map(len, prompts)) + max_new_tokens, 1)
-    return engine.generate(prompts, max_new_tokens, generate.Sampling(0.0), stop_ids)[0]
+def reference_outs(checkpoint: Path, prompts: list, max_new_tokens: int, stop_ids) -> tuple:
+    """Ours fp32 vanilla one at a time (eager): the texts every other is compared with, and the fp32 model
+    that measures where a text leaves them."""
+    model = load_target(checkpoint, "fp32", "cpu")
+    engine = Engine(model, max(map(len, prompts)) + max_new_tokens, 1)
+    return engine.generate(prompts, max_new_tokens, generate.Sampling(0.0), stop_ids)[0], model
 
 
 def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
@@ -322,19 +324,15 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         (out / "benchmark.md").write_text(markdown(result))
         return result
 
-    # fp32 first (its vanilla text one at a time is the reference), then the others in the order given
+    # fp32 first, then the others in the order given
     precisions = sorted(dict.fromkeys(args.precisions), key=lambda p: p != "fp32")
-    if reference is None and rows:  # resumed from a run that did not keep its reference texts
-        reference = reference_outs(checkpoint, prompts, args.max_new_tokens, tokenizer.stop_ids)
+    if reference is None:
+        reference, fp32_model = reference_outs(checkpoint, prompts, args.max_new_tokens, tokenizer.stop_ids)
+    else:  # resumed: the texts are on file, the model measures where others leave them
+        fp32_model = load_target(checkpoint, "fp32", "cpu")
     for precision in precisions:
         if ("ours", precision, "vanilla") not in done:
             result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
-            if reference is None:
-                reference = next(r["outs"] for r in result["runs"] if r["method"].startswith("vanilla")
-                                 and r["concurrency"] == args.batch_sizes[0])
-            model = result.pop("model")
-            if precision == "fp32":
-                fp32_model = model
             rows += summarize("ours", precision, result, reference, fp32_model, prompts)
             ttft[f"ours {precision}"], warmups[f"ours {precision}"] = result["ttft_s"], result["warmup_s"]
             write(f"after ours {precision}")

@@ -69,3 +69,14 @@ def test_a_stopped_run_resumes_where_it_stopped(tmp_path, lean_torch):
     assert rows[:2] == first["summary"]["rows"] and resumed["reference_outs"] == first["reference_outs"]
     assert resumed["metadata"]["resumed"][0]["after"] == "after ours fp32" and not resumed["metadata"]["unfinished"]
     assert "Resumed (" in (out / "benchmark.md").read_text()
+
+
+def test_the_reference_is_fp32_vanilla_whatever_precisions_run(tmp_path, lean_torch):
+    """Texts are compared with ours fp32 vanilla one at a time, also in a run without fp32 among its precisions
+    (it used to take the first precision's vanilla texts, so that precision read as equal to itself)."""
+    common = ["--quick", "--no_vllm", "--batch_sizes", "1"]
+    with_fp32 = main(common + ["--precisions", "fp32", "--out", str(tmp_path / "fp32")])
+    without = main(common + ["--precisions", "int4", "--out", str(tmp_path / "int4")])
+    assert without["reference_outs"] == with_fp32["reference_outs"]
+    int4_vanilla = next(r for r in without["summary"]["rows"] if r["method"] == "vanilla")
+    assert len(int4_vanilla["divergences"]) == int4_vanilla["equal_to_reference"].count(False)
