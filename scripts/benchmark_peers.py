@@ -11,9 +11,10 @@ Protocol:
   timed over all prompts with at most N in flight (continuous batching), at --threads;
 - vLLM: scripts/peer_vllm.py in the peers' environment (--vllm_python), on the model exported by
   scripts/export_hf.py and our shipped head (exported by it for vLLM: the fc bias folded) as its EAGLE drafter
-  (k = --vllm_ks draft tokens; tau from its speculative-decoding counters), fp32 and bf16, its
-  engine bound to one core (VLLM_CPU_OMP_THREADS_BIND), prefix caching off, warmed up at every N, then timed the
-  same way (its front end runs on the other core);
+  (k = --vllm_ks draft tokens; tau from its speculative-decoding counters), at fp32, bf16 and w8a8 (our
+  integers and scales in compressed-tensors' format, export_hf.export_w8a8), its engine bound to one core
+  (VLLM_CPU_OMP_THREADS_BIND), prefix caching off, warmed up at every N, then timed the same way (its front end
+  runs on the other core);
 - tokens/s = all new tokens / wall time of the pass (prefills included); --repeats passes, the median;
 - greedy equality: every text against ours fp32 vanilla one at a time, per prompt; where a text leaves it, the
   gap between our fp32 target's two best logits there (benchmark_batch.divergence): a near-tie that rounding, or
@@ -49,12 +50,14 @@ from eagle_head import EagleHead  # noqa: E402
 from scripts.bench_common import (PRECISION_DTYPES, build_quick_checkpoint, default_out, git_state,  # noqa: E402
                                   json_safe, load_dataset, load_target, machine_info, render, repo_relative, select_questions)
 from scripts.benchmark_batch import divergence, divergence_summary  # noqa: E402
-from scripts.export_hf import export_head, export_hf  # noqa: E402
+from scripts.export_hf import export_head, export_hf, export_w8a8  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tree import parse_tree  # noqa: E402
 from tuning import COMPILE_KINDS  # noqa: E402
 
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # the precisions vLLM's CPU engine runs here
+# the precisions vLLM's CPU engine runs here; w8a8: our integers and scales exported in compressed-tensors' format
+# (export_hf.export_w8a8: bf16 activations, int8 linears through vLLM's own int8 kernel; its LM head stays bf16)
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "w8a8": "bfloat16"}
 PEERS_VENV = REPO_ROOT / ".venv-peers"
 INSTALL_HINT = "bash scripts/install_peers.sh"
 
@@ -63,7 +66,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 2, 4, 8], help="requests in flight (N)")
     p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int4", "w8a8"], default=["fp32", "bf16", "int4"],
-                   help="ours at each; vLLM at fp32 and bf16 (it has no int4 CPU path here)")
+                   help="ours at each; vLLM at fp32, bf16 and w8a8 (it has no int4 CPU path here)")
     p.add_argument("--tree", default="chain-1", help="our EAGLE tree at every N (vLLM's k=1 is chain-1)")
     p.add_argument("--kinds", nargs="+", choices=list(COMPILE_KINDS), default=["default"],
                    help="our compile kinds (tuning.COMPILE_KINDS, generate.py --autotune off/freeze/on): engines of each")
@@ -291,7 +294,13 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     skipped = "--no_vllm" if args.no_vllm else None
     if skipped is None and not args.vllm_python.is_file():
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
-    hf_dir = None if skipped else export_hf(checkpoint.parent, work / "hf")
+    hf_dirs = {}  # precision -> the model vLLM loads, exported when first needed
+
+    def hf_dir(precision: str) -> Path:
+        if precision not in hf_dirs:
+            w8a8 = precision == "w8a8"
+            hf_dirs[precision] = (export_w8a8 if w8a8 else export_hf)(checkpoint.parent, work / f"hf{'-w8a8' * w8a8}")
+        return hf_dirs[precision]
     vllm_head = None if skipped else export_head(head_dir, work / "head")  # our head, fc bias folded for vLLM
     rows, ttft, warmups, reference, fp32_model, resumed = [], {}, {}, None, None, []
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
@@ -341,7 +350,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         for k in [0] + list(args.vllm_ks):
             if ("vllm", precision, f"vllm-eagle-k{k}" if k else "vanilla") in done:
                 continue
-            peer = vllm(args, hf_dir, vllm_head, precision, k, prompts, longs, tokenizer.stop_ids, work)
+            peer = vllm(args, hf_dir(precision), vllm_head, precision, k, prompts, longs, tokenizer.stop_ids, work)
             rows += summarize("vllm", precision, peer, reference, fp32_model, prompts)
             warmups[f"vllm {precision} k={k}"] = {"process_s": round(peer["process_s"], 1),  # start, warm-up, runs
                                                   "warmup_s": round(peer["warmup_s"], 1)}

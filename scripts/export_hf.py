@@ -13,7 +13,11 @@ layer, exactly: its input fc(x) + b reaches the attention (q/k/v biases W_q b, W
 after the projection, so this is exact) and the residual (o_proj bias b); later layers get zero biases.
 
     python scripts/export_hf.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --out exports/smollm2
+    python scripts/export_hf.py --checkpoint_dir checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct --dtype w8a8 --out exports/smollm2-w8a8
     python scripts/export_hf.py --head heads/SmolLM2-135M-Instruct-eagle --out exports/smollm2-eagle
+
+`--dtype w8a8` writes quantize.py's w8a8 model (its int8 weights and scales) in compressed-tensors' format, which
+vLLM's CPU engine runs through its own int8 kernels.
 """
 import argparse
 import json
@@ -25,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle_head import EAGLE3_ARCHITECTURES, read_head_config, read_weights  # noqa: E402
-from model import DTYPES, CheckpointError, ModelArgs, interleaved_to_halves  # noqa: E402
+import quantize  # noqa: E402
+from model import DTYPES, CheckpointError, ModelArgs, Transformer, interleaved_to_halves  # noqa: E402
 from scripts.convert_hf_checkpoint import GLOBAL_NAMES, LAYER_NAMES  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
@@ -90,6 +95,43 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str | None = None) -> 
     return out_dir
 
 
+W8A8_QUANTIZATION_CONFIG = {  # compressed-tensors' reading of quantize.py's w8a8, as vLLM loads it
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+    }},
+    "ignore": ["lm_head"]}
+
+
+def export_w8a8(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """export_hf at bfloat16 with every decoder linear as quantize.py's w8a8 makes it (int8 weights, one scale
+    per output row; int8 activations, one scale per token, at run time), in compressed-tensors' int-quantized
+    format: `*.weight` int8 and `*.weight_scale` float32 [rows, 1]. The same integers and scales as ours; the
+    LM head stays bfloat16 (tied to the embeddings, which vLLM does not quantize), where ours quantizes it."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), export_hf(checkpoint_dir, out_dir, "bfloat16")
+    model = Transformer.from_checkpoint(checkpoint_dir / "model.pth", dtype=torch.bfloat16)
+    quantize.quantize_model(model, quantize.handler_for("w8a8"), quantize_lm_head=False)
+    linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, quantize.W8A8CPULinear)}
+    if not linears:
+        raise CheckpointError("w8a8 export: no linear was quantized (does this PyTorch have oneDNN?)")
+    config = model.config
+    weights = hf_state_dict({n: m.int8_weight for n, m in linears.items()}, config)
+    scales = hf_state_dict({n: m.int8_scales[:, None] for n, m in linears.items()}, config)
+    tensors = load_file(out_dir / "model.safetensors")
+    tensors.update(weights)
+    tensors.update({name + "_scale": s.float() for name, s in scales.items()})
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    config_dict = json.loads(config_path.read_text())
+    config_dict["quantization_config"] = W8A8_QUANTIZATION_CONFIG
+    config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
+    return out_dir
+
+
 def vllm_head_state(config: dict, state: dict) -> tuple:
     """An EAGLE-1 head's (config, weights) in EAGLE's layout -> the same function in vLLM's reading of it:
     no fc bias, attention biases that carry it (see the module doc)."""
@@ -131,13 +173,15 @@ def main():
     source.add_argument("--checkpoint_dir", type=Path, help="directory with model.pth and config.json")
     source.add_argument("--head", type=Path, help="an EAGLE-1 head directory (heads/...), written for vLLM")
     parser.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: keep model.pth's)")
+    parser.add_argument("--dtype", choices=list(DTYPES) + ["w8a8"],
+                        help="cast the weights (default: keep model.pth's); w8a8: quantize.py's w8a8 as compressed-tensors")
     args = parser.parse_args()
     try:
         if args.head:
             print(export_head(args.head, args.out))
         else:
-            print(export_hf(args.checkpoint_dir, args.out, args.dtype))
+            export = export_w8a8 if args.dtype == "w8a8" else lambda c, o: export_hf(c, o, args.dtype)
+            print(export(args.checkpoint_dir, args.out))
     except (CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
         sys.exit(f"error: {e}")
 

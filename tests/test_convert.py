@@ -157,6 +157,41 @@ def test_export_hf_round_trip(tmp_path):
         assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
 
 
+def test_export_w8a8_holds_our_integers_and_scales_in_hf_layout(tmp_path):
+    """export_hf.py --dtype w8a8 (vLLM's peer at w8a8): every decoder linear as compressed-tensors' int8 weight and
+    float32 scale per output row, in HF's names and rotary row order; dequantized and converted back, each equals
+    what quantize.py's w8a8 linear multiplies by (so rows and scales moved together)."""
+    from safetensors.torch import load_file
+
+    import quantize
+    from scripts.export_hf import export_w8a8
+    save_random_hf_model(tmp_path / "hf", tie_word_embeddings=True)
+    checkpoint = convert_hf_checkpoint(tmp_path / "hf")
+    exported = export_w8a8(checkpoint.parent, tmp_path / "w8a8")
+    config = json.loads((exported / "config.json").read_text())
+    group = config.pop("quantization_config")["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"]["strategy"] == "token"
+    tensors = load_file(exported / "model.safetensors")
+    quantized = [name for name, t in tensors.items() if t.dtype == torch.int8]
+    assert len(quantized) == 7 * TINY["num_hidden_layers"] and "lm_head.weight" not in tensors
+    dequantized = {name: t.float() for name, t in tensors.items() if not name.endswith("_scale")}
+    for name in quantized:
+        scale = tensors[name + "_scale"]
+        assert scale.dtype == torch.float32 and scale.shape == (tensors[name].shape[0], 1)
+        dequantized[name] = tensors[name].float() * scale
+    back_dir = tmp_path / "dequantized"
+    back_dir.mkdir()
+    save_file(dequantized, back_dir / "model.safetensors", metadata={"format": "pt"})
+    (back_dir / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    back = torch.load(convert_hf_checkpoint(back_dir), weights_only=True)
+    model = Transformer.from_checkpoint(checkpoint, dtype=torch.bfloat16)
+    quantize.quantize_model(model, quantize.handler_for("w8a8"), quantize_lm_head=False)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, quantize.W8A8CPULinear)}
+    assert len(linears) == 5 * TINY["num_hidden_layers"]  # wqkv, wo, w1, w2, w3
+    for name, linear in linears.items():
+        assert torch.equal(back[name + ".weight"], linear.int8_weight.float() * linear.int8_scales[:, None]), name
+
+
 def test_export_hf_default_model_tokenizer_and_chat_template(default_checkpoint, tmp_path):
     """The default model's export carries a tokenizer that transformers renders our chat prompt with."""
     from transformers import AutoTokenizer
