@@ -182,7 +182,7 @@ def main():
         else:
             export = export_w8a8 if args.dtype == "w8a8" else lambda c, o: export_hf(c, o, args.dtype)
             print(export(args.checkpoint_dir, args.out))
-    except (CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (CheckpointError, quantize.QuantizeError, FileNotFoundError, json.JSONDecodeError) as e:
         sys.exit(f"error: {e}")
 
 
