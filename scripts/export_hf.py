@@ -64,35 +64,46 @@ def hf_state_dict(state: dict, config: ModelArgs) -> dict:
     return {name: t.contiguous() for name, t in out.items()}
 
 
-def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str | None = None) -> Path:
-    """Write the HF directory out_dir from checkpoint_dir; returns out_dir. dtype: None keeps the weights'."""
-    from safetensors.torch import save_file
-
-    checkpoint_dir = Path(checkpoint_dir)
-    weights = checkpoint_dir / "model.pth"
+def read_hf(checkpoint_dir: Path) -> tuple:
+    """(config.json as a dict, its ModelArgs, model.pth's tensors in HF's names and layout) of checkpoint_dir."""
+    weights = Path(checkpoint_dir) / "model.pth"
     if not weights.is_file():
         raise CheckpointError(f"{weights} not found; convert the model first (scripts/convert_gguf.py or "
                               "scripts/convert_hf_checkpoint.py)")
-    config_dict = json.loads((checkpoint_dir / "config.json").read_text())
+    config_dict = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     config = ModelArgs.from_config(config_dict)
     state = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
-    tensors = hf_state_dict(state, config)
-    if dtype is not None:
-        tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
+    return config_dict, config, hf_state_dict(state, config)
+
+
+def write_hf(checkpoint_dir: Path, out_dir: Path, tensors: dict, config_dict: dict, config: ModelArgs,
+             torch_dtype: torch.dtype) -> Path:
+    """out_dir as an HF directory: the tensors, config.json (torch_dtype: the model's float dtype), the
+    generation config and checkpoint_dir's tokenizer files; returns out_dir."""
+    from safetensors.torch import save_file
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    weight_dtype = next(iter(tensors.values())).dtype
+    config_dict = dict(config_dict)
     config_dict.setdefault("model_type", config_dict["architectures"][0].removesuffix("ForCausalLM").lower())
-    config_dict["torch_dtype"] = {v: k for k, v in DTYPES.items()}[weight_dtype]
+    config_dict["torch_dtype"] = {v: k for k, v in DTYPES.items()}[torch_dtype]
     config_dict.setdefault("head_dim", config.head_dim)
     (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     generation = {k: config_dict[k] for k in ("bos_token_id", "eos_token_id") if config_dict.get(k) is not None}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     for name in TOKENIZER_FILES:
-        if (checkpoint_dir / name).is_file():
-            shutil.copyfile(checkpoint_dir / name, out_dir / name)
+        if (Path(checkpoint_dir) / name).is_file():
+            shutil.copyfile(Path(checkpoint_dir) / name, out_dir / name)
     return out_dir
+
+
+def export_hf(checkpoint_dir: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Write the HF directory out_dir from checkpoint_dir; returns out_dir. dtype: None keeps the weights'."""
+    config_dict, config, tensors = read_hf(checkpoint_dir)
+    if dtype is not None:
+        tensors = {name: t.to(DTYPES[dtype]) for name, t in tensors.items()}
+    return write_hf(checkpoint_dir, out_dir, tensors, config_dict, config, next(iter(tensors.values())).dtype)
 
 
 W8A8_QUANTIZATION_CONFIG = {  # compressed-tensors' reading of quantize.py's w8a8, as vLLM loads it
@@ -110,26 +121,18 @@ def export_w8a8(checkpoint_dir: Path, out_dir: Path) -> Path:
     per output row; int8 activations, one scale per token, at run time), in compressed-tensors' int-quantized
     format: `*.weight` int8 and `*.weight_scale` float32 [rows, 1]. The same integers and scales as ours; the
     LM head stays bfloat16 (tied to the embeddings, which vLLM does not quantize), where ours quantizes it."""
-    from safetensors.torch import load_file, save_file
-
-    checkpoint_dir, out_dir = Path(checkpoint_dir), export_hf(checkpoint_dir, out_dir, "bfloat16")
-    model = Transformer.from_checkpoint(checkpoint_dir / "model.pth", dtype=torch.bfloat16)
+    config_dict, config, tensors = read_hf(checkpoint_dir)
+    model = Transformer.from_checkpoint(Path(checkpoint_dir) / "model.pth", dtype=torch.bfloat16)
     quantize.quantize_model(model, quantize.handler_for("w8a8"), quantize_lm_head=False)
     linears = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, quantize.W8A8CPULinear)}
     if not linears:
         raise CheckpointError("w8a8 export: no linear was quantized (does this PyTorch have oneDNN?)")
-    config = model.config
-    weights = hf_state_dict({n: m.int8_weight for n, m in linears.items()}, config)
     scales = hf_state_dict({n: m.int8_scales[:, None] for n, m in linears.items()}, config)
-    tensors = load_file(out_dir / "model.safetensors")
-    tensors.update(weights)
+    tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
+    tensors.update(hf_state_dict({n: m.int8_weight for n, m in linears.items()}, config))
     tensors.update({name + "_scale": s.float() for name, s in scales.items()})
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config_path = out_dir / "config.json"
-    config_dict = json.loads(config_path.read_text())
-    config_dict["quantization_config"] = W8A8_QUANTIZATION_CONFIG
-    config_path.write_text(json.dumps(config_dict, indent=2) + "\n")
-    return out_dir
+    config_dict = {**config_dict, "quantization_config": W8A8_QUANTIZATION_CONFIG}
+    return write_hf(checkpoint_dir, out_dir, tensors, config_dict, config, torch.bfloat16)
 
 
 def vllm_head_state(config: dict, state: dict) -> tuple:
