@@ -294,13 +294,13 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     skipped = "--no_vllm" if args.no_vllm else None
     if skipped is None and not args.vllm_python.is_file():
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
-    hf_dirs = {}  # precision -> the model vLLM loads, exported when first needed
+    hf_dirs = {}  # the models vLLM loads, exported when first needed: one float export (fp32, bf16), and w8a8's
 
     def hf_dir(precision: str) -> Path:
-        if precision not in hf_dirs:
-            w8a8 = precision == "w8a8"
-            hf_dirs[precision] = (export_w8a8 if w8a8 else export_hf)(checkpoint.parent, work / f"hf{'-w8a8' * w8a8}")
-        return hf_dirs[precision]
+        name = "hf-w8a8" if precision == "w8a8" else "hf"
+        if name not in hf_dirs:
+            hf_dirs[name] = (export_w8a8 if precision == "w8a8" else export_hf)(checkpoint.parent, work / name)
+        return hf_dirs[name]
     vllm_head = None if skipped else export_head(head_dir, work / "head")  # our head, fc bias folded for vLLM
     rows, ttft, warmups, reference, fp32_model, resumed = [], {}, {}, None, None, []
     command = " ".join(shlex.quote(a) for a in ["python", sys.argv[0]] + list(sys.argv[1:] if argv is None else argv))
