@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 2, 4, 8], help="requests in flight (N)")
     p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int4", "w8a8"], default=["fp32", "bf16", "int4"],
                    help="ours at each; vLLM at fp32, bf16 and w8a8 (it has no int4 CPU path here)")
-    p.add_argument("--tree", default="chain-1", help="our EAGLE tree at every N (vLLM's k=1 is chain-1)")
+    p.add_argument("--tree", default="chain-1",
+                   help="our EAGLE tree at every N (vLLM's k=1 is chain-1); none: our vanilla engines only")
     p.add_argument("--kinds", nargs="+", choices=list(COMPILE_KINDS), default=["default"],
                    help="our compile kinds (tuning.COMPILE_KINDS, generate.py --autotune off/freeze/on): engines of each")
     p.add_argument("--vllm_ks", nargs="*", type=int, default=[1], help="vLLM EAGLE draft lengths (none: vanilla only)")
@@ -92,7 +93,7 @@ def parse_args(argv=None):
         raise generate.UsageError("--batch_sizes, --limit, --max_new_tokens, --repeats and --vllm_ks must be >= 1")
     args.batch_sizes = sorted(set(args.batch_sizes))
     try:
-        parse_tree(args.tree)  # a bad tree fails here, before any model loads
+        args.tree == "none" or parse_tree(args.tree)  # a bad tree fails here, before any model loads
     except ValueError as e:
         raise generate.UsageError(str(e)) from None
     return args
@@ -128,10 +129,11 @@ def ours(args, checkpoint: Path, head_dir: Path, precision: str, prompts: list, 
         for kind in args.kinds:
             config = COMPILE_KINDS[kind]
             sessions[n, "vanilla", kind] = Engine(model, max_seq_len, n, compile=not args.quick, inductor_config=config)
-            sessions[n, "eagle", kind] = Engine(model, max_seq_len, n, head, parse_tree(args.tree),
-                                                compile=not args.quick, inductor_config=config)
+            if args.tree != "none":
+                sessions[n, "eagle", kind] = Engine(model, max_seq_len, n, head, parse_tree(args.tree),
+                                                    compile=not args.quick, inductor_config=config)
     cache_len = max(s.cache_len for s in sessions.values())
-    head_len = max(s.head_cache_len for s in sessions.values() if s.head_cache_len)
+    head_len = max([s.head_cache_len for s in sessions.values() if s.head_cache_len], default=0)
     for s in sessions.values():
         s.setup_caches(cache_len, head_len)
     warm = {}

@@ -80,3 +80,10 @@ def test_the_reference_is_fp32_vanilla_whatever_precisions_run(tmp_path, lean_to
     assert without["reference_outs"] == with_fp32["reference_outs"]
     int4_vanilla = next(r for r in without["summary"]["rows"] if r["method"] == "vanilla")
     assert len(int4_vanilla["divergences"]) == int4_vanilla["equal_to_reference"].count(False)
+
+
+def test_tree_none_runs_our_vanilla_engines_only(tmp_path, lean_torch):
+    result = main(["--quick", "--precisions", "fp32", "--batch_sizes", "2", "--tree", "none", "--no_vllm",
+                   "--long_prompts", "1", "--out", str(tmp_path / "out")])
+    rows = result["summary"]["rows"]
+    assert [(r["method"], r["concurrency"]) for r in rows] == [("vanilla", 2)] and all(rows[0]["equal_to_reference"])
