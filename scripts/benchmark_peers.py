@@ -93,7 +93,8 @@ def parse_args(argv=None):
         raise generate.UsageError("--batch_sizes, --limit, --max_new_tokens, --repeats and --vllm_ks must be >= 1")
     args.batch_sizes = sorted(set(args.batch_sizes))
     try:
-        args.tree == "none" or parse_tree(args.tree)  # a bad tree fails here, before any model loads
+        if args.tree != "none":
+            parse_tree(args.tree)  # a bad tree fails here, before any model loads
     except ValueError as e:
         raise generate.UsageError(str(e)) from None
     return args

@@ -31,6 +31,9 @@ from scripts.bench_common import (build_quick_checkpoint, default_out, git_state
                                   machine_info, select_questions)
 
 STATS = re.compile(r"^(\d+) tokens in ([\d.]+) s: [\d.]+ tokens/s, time to first token (\d+) ms")
+PLAIN = re.compile(r"^(\d+) of (\d+) steps decoded plainly")  # the adaptation's line under a prompt's stats
+FORWARDS = re.compile(r"(\d+) target \+ \d+ head forwards")  # EAGLE's tau line: its steps (cycles and plain)
+PREDICTED = re.compile(r"predicted tau [\d.]+, ([\d.]+)x over")  # --tree auto's choice line
 CHOICES = ("tree auto", "compile:", "Compiling", "precision", "calibrat", "adaptation")  # stderr lines worth keeping
 
 
@@ -74,16 +77,26 @@ def run_generate(flags: list, log: Path) -> dict:
     log.write_text(done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"generate.py {' '.join(flags)} failed: {done.stderr.strip().splitlines()[-1:]}")
+    choices = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith(CHOICES)]
+    return {"flags": flags, "wall_s": round(wall, 1), "prompts": parse(done.stderr), "choices": choices,
+            "text": done.stdout}
+
+
+def parse(stderr: str) -> list:
+    """generate.py's per-prompt statistics: tokens, times, decode rate and the adaptation's plain steps."""
     prompts = []
-    for line in done.stderr.splitlines():
-        m = STATS.match(line.strip())
+    for line in stderr.splitlines():
+        m, plain, forwards = STATS.match(line.strip()), PLAIN.match(line.strip()), FORWARDS.search(line)
         if m:
             tokens, total_s, ttft_s = int(m[1]), float(m[2]), int(m[3]) / 1000
             decode_s = total_s - ttft_s
-            prompts.append({"tokens": tokens, "total_s": total_s, "ttft_s": ttft_s,
+            prompts.append({"tokens": tokens, "total_s": total_s, "ttft_s": ttft_s, "plain_steps": 0,
                             "decode_rate": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None})
-    choices = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith(CHOICES)]
-    return {"flags": flags, "wall_s": round(wall, 1), "prompts": prompts, "choices": choices, "text": done.stdout}
+        elif forwards and prompts:
+            prompts[-1]["steps"] = int(forwards[1])
+        elif plain and prompts:
+            prompts[-1]["plain_steps"] = int(plain[1])
+    return prompts
 
 
 def summarize(vanilla: dict, eagle: dict) -> dict:
@@ -93,27 +106,37 @@ def summarize(vanilla: dict, eagle: dict) -> dict:
     return {"vanilla_rate": round(rate(vanilla), 1), "eagle_rate": round(rate(eagle), 1),
             "ratios": [round(r, 3) for r in ratios], "median": round(statistics.median(ratios), 3),
             "min": round(min(ratios), 3), "vanilla_wall_s": vanilla["wall_s"], "eagle_wall_s": eagle["wall_s"],
-            "same_text": vanilla["text"] == eagle["text"]}
+            "same_text": vanilla["text"] == eagle["text"], "predicted": predicted(eagle)}
+
+
+def predicted(eagle: dict):
+    """The speedup --tree auto predicted before the first token (None: a tree given, or no prediction printed)."""
+    found = [PREDICTED.search(line) for line in eagle["choices"]]
+    return next((float(m[1]) for m in found if m), None)
 
 
 def markdown(result: dict) -> str:
     m = result["metadata"]
     lines = [f"# First runs: `generate.py --compile` with and without `--eagle` ({m['date']})", "",
-             f"Machine: {m['machine']['processor']} ({m['machine']['isa']}, CPU family {m['machine']['cpu_family']}), "
+             f"Machine: {m['machine']['processor']} ({m['machine']['isa']}, {m['machine']['cpu_family']}), "
              f"{m['machine']['cpu_count']} cores, torch {m['machine']['torch']}; code "
              f"{m['git'].get('commit')}{'' if m['git'].get('clean') else ' (uncommitted changes)'}; "
              f"{m['prompts']} MT-bench first turns, {m['max_new_tokens']} new tokens each, one process per command.",
              "", "| precision | --autotune | T | vanilla tokens/s | --eagle tokens/s | EAGLE / vanilla median (min) "
-             "| same text | process wall s vanilla / eagle | EAGLE's choices |", "|---|---|---|---|---|---|---|---|---|"]
+             "| predicted | steps plain | same text | process wall s vanilla / eagle | EAGLE's choices |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        s = r["summary"]
+        s, guess = r["summary"], predicted(r["eagle"])
+        plain = [p.get("plain_steps", 0) / p["steps"] for p in r["eagle"]["prompts"] if p.get("steps")]
         lines.append(f"| {r['precision']} | {r['autotune']} | {r['temperature']:g} | {s['vanilla_rate']} | "
-                     f"{s['eagle_rate']} | {s['median']:.2f}x ({s['min']:.2f}) | {'yes' if s['same_text'] else 'no'} | "
-                     f"{s['vanilla_wall_s']:.0f} / "
-                     f"{s['eagle_wall_s']:.0f} | {'; '.join(r['eagle']['choices'])[:200]} |")
+                     f"{s['eagle_rate']} | {s['median']:.2f}x ({s['min']:.2f}) | "
+                     f"{'–' if guess is None else f'{guess:.2f}x'} | "
+                     f"{'–' if not plain else f'{statistics.median(plain):.0%}'} | {'yes' if s['same_text'] else 'no'} | "
+                     f"{s['vanilla_wall_s']:.0f} / {s['eagle_wall_s']:.0f} | {'; '.join(r['eagle']['choices'])[:200]} |")
     lines += ["", "tokens/s: a prompt's decode rate, (tokens - 1) / time after its first token, median over the "
-              "prompts; the ratio per prompt. same text: the two processes printed the same answers (greedy fp32 "
-              "must; T > 0 draws differently, and low precisions part at near-ties). The process wall time holds "
+              "prompts; the ratio per prompt. predicted: `--tree auto`'s speedup over vanilla, printed before the "
+              "first token. steps plain: the median share of a prompt's steps the adaptation decoded plainly. "
+              "same text: the two processes printed the same answers (greedy fp32 must; T > 0 draws differently, and low precisions part at near-ties). The process wall time holds "
               "loading, the warm-up (compile) and the calibration where there was one."]
     return "\n".join(lines) + "\n"
 
@@ -140,12 +163,16 @@ def main(argv=None):
         runs = [r for key, r in done.items() if key not in planned]  # an earlier run's other commands stay
         for key in planned:  # greedy first, then each --autotune setting over the precisions
             precision, autotune, temperature = key
-            if key in done:
+            stem = f"{precision}-{autotune}-t{temperature:g}"
+            if key in done:  # its logs are the record: parsed again (a field added since is filled in)
+                for side in ("vanilla", "eagle"):
+                    log = out / "logs" / f"{stem}-{side}.txt"
+                    if log.is_file():
+                        done[key][side]["prompts"] = parse(log.read_text())
                 runs.append(done[key])
                 continue
             flags = base + ["--compile", "--autotune", autotune, "--precision", precision,
                             "--temperature", str(temperature)]
-            stem = f"{precision}-{autotune}-t{temperature:g}"
             vanilla = run_generate(flags, out / "logs" / f"{stem}-vanilla.txt")
             eagle = run_generate(flags + ["--eagle"], out / "logs" / f"{stem}-eagle.txt")
             runs.append({"precision": precision, "autotune": autotune, "temperature": temperature,
@@ -153,15 +180,19 @@ def main(argv=None):
             s = runs[-1]["summary"]
             print(f"{stem}: vanilla {s['vanilla_rate']} tokens/s, eagle {s['eagle_rate']}, "
                   f"{s['median']:.2f}x (min {s['min']:.2f})", file=sys.stderr)
-            result = {"metadata": {"date": time.strftime("%Y-%m-%d"), "machine": info, "git": git_state(),
-                                   "command": "python scripts/first_run.py " + " ".join(argv or sys.argv[1:]),
-                                   "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                   "quick": args.quick},
-                      "runs": runs}
-            json_path.write_text(json.dumps(result, indent=1) + "\n")  # after each: a stopped run resumes
-            (out / "first_run.md").write_text(markdown(result))
+            write(out, args, argv, info, len(prompts), runs)  # after each command: a stopped run resumes
     print(f"wrote first_run.json and first_run.md to {out}", file=sys.stderr)
-    return json.loads(json_path.read_text())
+    return write(out, args, argv, info, len(prompts), runs)
+
+
+def write(out: Path, args, argv, info: dict, prompts: int, runs: list) -> dict:
+    result = {"metadata": {"date": time.strftime("%Y-%m-%d"), "machine": info, "git": git_state(),
+                           "command": "python scripts/first_run.py " + " ".join(argv or sys.argv[1:]),
+                           "prompts": prompts, "max_new_tokens": args.max_new_tokens, "quick": args.quick},
+              "runs": runs}
+    (out / "first_run.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "first_run.md").write_text(markdown(result))
+    return json.loads((out / "first_run.json").read_text())
 
 
 if __name__ == "__main__":
