@@ -198,5 +198,5 @@ def write(out: Path, args, argv, info: dict, prompts: int, runs: list) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except UsageError as e:
+    except (UsageError, RuntimeError) as e:  # RuntimeError: a generate.py process failed (its log is kept)
         sys.exit(f"first_run.py: {e}")
