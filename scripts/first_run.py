@@ -27,6 +27,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
+from engine import UsageError  # noqa: E402
 from scripts.bench_common import (build_quick_checkpoint, default_out, git_state, load_dataset,  # noqa: E402
                                   machine_info, select_questions)
 
@@ -35,10 +36,6 @@ PLAIN = re.compile(r"^(\d+) of (\d+) steps decoded plainly")  # the adaptation's
 FORWARDS = re.compile(r"(\d+) target \+ \d+ head forwards")  # EAGLE's tau line: its steps (cycles and plain)
 PREDICTED = re.compile(r"predicted tau [\d.]+, ([\d.]+)x over")  # --tree auto's choice line
 CHOICES = ("tree auto", "compile:", "Compiling", "precision", "calibrat", "adaptation")  # stderr lines worth keeping
-
-
-class UsageError(Exception):
-    pass
 
 
 def parse_args(argv=None):
@@ -68,8 +65,9 @@ def prompt_file(path: Path, limit: int) -> list:
     return prompts
 
 
-def run_generate(flags: list, log: Path) -> dict:
-    """One generate.py process: its per-prompt stats, its wall time and the choice lines it printed."""
+def run_generate(flags: list, log: Path, work: Path) -> dict:
+    """One generate.py process: its per-prompt stats, its wall time and the choice lines it printed (its flags
+    recorded with the temporary files named relative to work, e.g. prompts.txt)."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, str(REPO_ROOT / "generate.py"), *flags], cwd=REPO_ROOT,
                           capture_output=True, text=True)
@@ -78,8 +76,8 @@ def run_generate(flags: list, log: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"generate.py {' '.join(flags)} failed: {done.stderr.strip().splitlines()[-1:]}")
     choices = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith(CHOICES)]
-    return {"flags": flags, "wall_s": round(wall, 1), "prompts": parse(done.stderr), "choices": choices,
-            "text": done.stdout}
+    return {"flags": [f.replace(f"{work}/", "") for f in flags], "wall_s": round(wall, 1),
+            "prompts": parse(done.stderr), "choices": choices, "text": done.stdout}
 
 
 def parse(stderr: str) -> list:
@@ -120,24 +118,26 @@ def markdown(result: dict) -> str:
     lines = [f"# First runs: `generate.py --compile` with and without `--eagle` ({m['date']})", "",
              f"Machine: {m['machine']['processor']} ({m['machine']['isa']}, {m['machine']['cpu_family']}), "
              f"{m['machine']['cpu_count']} cores, torch {m['machine']['torch']}; code "
-             f"{m['git'].get('commit')}{'' if m['git'].get('clean') else ' (uncommitted changes)'}; "
+             f"{m['git'].get('commit')}{' (uncommitted changes)' if m['git'].get('dirty') else ''}; "
              f"{m['prompts']} MT-bench first turns, {m['max_new_tokens']} new tokens each, one process per command.",
              "", "| precision | --autotune | T | vanilla tokens/s | --eagle tokens/s | EAGLE / vanilla median (min) "
              "| predicted | steps plain | same text | process wall s vanilla / eagle | EAGLE's choices |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        s, guess = r["summary"], predicted(r["eagle"])
+        s, guess = r["summary"], r["summary"]["predicted"]
         plain = [p.get("plain_steps", 0) / p["steps"] for p in r["eagle"]["prompts"] if p.get("steps")]
         lines.append(f"| {r['precision']} | {r['autotune']} | {r['temperature']:g} | {s['vanilla_rate']} | "
                      f"{s['eagle_rate']} | {s['median']:.2f}x ({s['min']:.2f}) | "
                      f"{'–' if guess is None else f'{guess:.2f}x'} | "
-                     f"{'–' if not plain else f'{statistics.median(plain):.0%}'} | {'yes' if s['same_text'] else 'no'} | "
-                     f"{s['vanilla_wall_s']:.0f} / {s['eagle_wall_s']:.0f} | {'; '.join(r['eagle']['choices'])[:200]} |")
+                     f"{'–' if not plain else f'{statistics.median(plain):.0%}'} | "
+                     f"{'yes' if s['same_text'] else 'no'} | {s['vanilla_wall_s']:.0f} / {s['eagle_wall_s']:.0f} | "
+                     f"{'; '.join(r['eagle']['choices'])[:200]} |")
     lines += ["", "tokens/s: a prompt's decode rate, (tokens - 1) / time after its first token, median over the "
               "prompts; the ratio per prompt. predicted: `--tree auto`'s speedup over vanilla, printed before the "
               "first token. steps plain: the median share of a prompt's steps the adaptation decoded plainly. "
-              "same text: the two processes printed the same answers (greedy fp32 must; T > 0 draws differently, and low precisions part at near-ties). The process wall time holds "
-              "loading, the warm-up (compile) and the calibration where there was one."]
+              "same text: the two processes printed the same answers (greedy fp32 must; T > 0 draws differently, "
+              "and low precisions part at near-ties). The process wall time holds loading, the warm-up (compile) "
+              "and the calibration where there was one."]
     return "\n".join(lines) + "\n"
 
 
@@ -147,8 +147,11 @@ def main(argv=None):
     out = args.out or default_out(info, args.quick, "-first-run")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     json_path = out / "first_run.json"
-    done = {(r["precision"], r["autotune"], r["temperature"]): r
-            for r in (json.loads(json_path.read_text())["runs"] if args.resume and json_path.is_file() else [])}
+    before = json.loads(json_path.read_text()) if args.resume and json_path.is_file() else {"runs": []}
+    done = {(r["precision"], r["autotune"], r["temperature"]): r for r in before["runs"]}
+    # the run's own record (its date, code and command), kept by a resume; a resume that runs commands too says so
+    first = before.get("metadata") or {"date": time.strftime("%Y-%m-%d"), "git": git_state(),
+                                       "command": "python scripts/first_run.py " + " ".join(argv or sys.argv[1:])}
     with tempfile.TemporaryDirectory(prefix="first-run-") as work:
         work = Path(work)
         prompts_path = work / "prompts.txt"
@@ -161,34 +164,36 @@ def main(argv=None):
             base += ["--threads", str(args.threads)]
         planned = [(p, a, t) for t in args.temperatures for a in args.autotune for p in args.precisions]
         runs = [r for key, r in done.items() if key not in planned]  # an earlier run's other commands stay
+        if done and any(key not in done for key in planned):
+            first["resumed"] = first.get("resumed", []) + [{"date": time.strftime("%Y-%m-%d"), "git": git_state()}]
         for key in planned:  # greedy first, then each --autotune setting over the precisions
             precision, autotune, temperature = key
             stem = f"{precision}-{autotune}-t{temperature:g}"
-            if key in done:  # its logs are the record: parsed again (a field added since is filled in)
+            if key in done:  # its logs are the record: parsed and summarized again (a field added since is filled in)
                 for side in ("vanilla", "eagle"):
                     log = out / "logs" / f"{stem}-{side}.txt"
                     if log.is_file():
                         done[key][side]["prompts"] = parse(log.read_text())
+                done[key]["summary"] = summarize(done[key]["vanilla"], done[key]["eagle"])
                 runs.append(done[key])
                 continue
             flags = base + ["--compile", "--autotune", autotune, "--precision", precision,
                             "--temperature", str(temperature)]
-            vanilla = run_generate(flags, out / "logs" / f"{stem}-vanilla.txt")
-            eagle = run_generate(flags + ["--eagle"], out / "logs" / f"{stem}-eagle.txt")
+            vanilla = run_generate(flags, out / "logs" / f"{stem}-vanilla.txt", work)
+            eagle = run_generate(flags + ["--eagle"], out / "logs" / f"{stem}-eagle.txt", work)
             runs.append({"precision": precision, "autotune": autotune, "temperature": temperature,
                          "vanilla": vanilla, "eagle": eagle, "summary": summarize(vanilla, eagle)})
             s = runs[-1]["summary"]
             print(f"{stem}: vanilla {s['vanilla_rate']} tokens/s, eagle {s['eagle_rate']}, "
                   f"{s['median']:.2f}x (min {s['min']:.2f})", file=sys.stderr)
-            write(out, args, argv, info, len(prompts), runs)  # after each command: a stopped run resumes
+            write(out, args, first, info, len(prompts), runs)  # after each command: a stopped run resumes
     print(f"wrote first_run.json and first_run.md to {out}", file=sys.stderr)
-    return write(out, args, argv, info, len(prompts), runs)
+    return write(out, args, first, info, len(prompts), runs)
 
 
-def write(out: Path, args, argv, info: dict, prompts: int, runs: list) -> dict:
-    result = {"metadata": {"date": time.strftime("%Y-%m-%d"), "machine": info, "git": git_state(),
-                           "command": "python scripts/first_run.py " + " ".join(argv or sys.argv[1:]),
-                           "prompts": prompts, "max_new_tokens": args.max_new_tokens, "quick": args.quick},
+def write(out: Path, args, first: dict, info: dict, prompts: int, runs: list) -> dict:
+    result = {"metadata": {**first, "machine": info, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
+                           "quick": args.quick},
               "runs": runs}
     (out / "first_run.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "first_run.md").write_text(markdown(result))

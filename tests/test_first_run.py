@@ -21,11 +21,13 @@ def test_quick_first_runs_compare_decode_rates_and_fp32_greedy_texts(tmp_path):
     assert (run["precision"], run["autotune"], run["temperature"]) == ("fp32", "off", 0.0)
     assert len(run["vanilla"]["prompts"]) == len(run["eagle"]["prompts"]) == 2 == len(s["ratios"])
     assert s["same_text"] and run["vanilla"]["text"].strip()  # lossless: greedy fp32 EAGLE prints vanilla's answers
+    assert "prompts.txt" in run["vanilla"]["flags"]  # the temporary folder is not recorded
     assert s["vanilla_rate"] > 0 and s["eagle_rate"] > 0 and s["min"] <= s["median"]
     assert any(line.startswith("Compiling") for line in run["eagle"]["choices"])  # compiled before it answered
     assert "| fp32 | off | 0 |" in (tmp_path / "out" / "first_run.md").read_text()
     resumed = main(["--quick", "--precisions", "fp32", "--out", str(tmp_path / "out"), "--resume"])
     assert resumed["runs"] == json.loads(json.dumps(result["runs"]))  # nothing ran again
+    assert resumed["metadata"]["git"] == result["metadata"]["git"] and "resumed" not in resumed["metadata"]
 
 
 def test_bad_arguments_fail_in_one_line():
