@@ -378,10 +378,13 @@ def prefill_row(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Ten
     return model(tokens, input_pos, mask=mask, logits_at=slice(-1, None))
 
 
-def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool) -> Tensor:
-    """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]."""
-    logits, _ = model(tokens, input_pos, mask=mask)
-    return argmax_tokens(logits[:, -1]) if greedy else logits[:, -1]
+def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool,
+                features: bool = False):
+    """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]; with features,
+    (that, the features [B, 1, dim]): an EAGLE engine's plain step keeps them for its head (a graph of its own)."""
+    logits, feats = model(tokens, input_pos, mask=mask)
+    out = argmax_tokens(logits[:, -1]) if greedy else logits[:, -1]
+    return (out, feats) if features else out
 
 
 def verify_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, rope_pos: Tensor, mask: Tensor, greedy: bool):
@@ -556,6 +559,21 @@ class Adaptation:
                     self.switches += 1
                 else:
                     self.wait = min(2 * self.wait, self.MAX_WAIT)
+
+
+class Schedule(Adaptation):
+    """A fixed sequence of choices (True: a cycle), then cycles: how a warm-up reaches the graphs of the plain steps
+    and of the head's re-priming after them."""
+
+    def __init__(self, choices):
+        super().__init__()
+        self.choices = list(choices)
+
+    def speculate(self, bucket: int) -> bool:
+        return self.choices.pop(0) if self.choices else True
+
+    def record(self, *args, **kwargs):
+        pass
 
 
 CACHE_USERS = weakref.WeakKeyDictionary()  # a model or head -> the engine that last wrote its caches (a weakref)
@@ -757,9 +775,15 @@ class Engine:
         """Compile every graph a step may need now: each bucket of rows (that many copies of prompt at once), with
         each of the samplings (None: greedy; a greedy step and one with sampled rows are different graphs), and
         the prefills: from slot 0, and after a held prefix (a chat's next turn; prompt's first half held)."""
-        for n in self.buckets:
-            for s in samplings:
-                self.generate([prompt] * n, max_new_tokens, s or Sampling())
+        adapt = self.adapt
+        try:
+            for n in self.buckets:
+                for s in samplings:
+                    if adapt is not None:  # two plain steps, then cycles: the first one re-primes the head
+                        self.adapt = Schedule([False, False])
+                    self.generate([prompt] * n, max(max_new_tokens, 4), s or Sampling())
+        finally:
+            self.adapt = adapt
         self.forget()
         if len(prompt) >= 4:
             self.generate([prompt[: len(prompt) // 2]], 1, Sampling())
@@ -865,8 +889,7 @@ class Engine:
             if self.head is None:
                 out = self.steps.decode(self.model, tokens, pos, mask, not groups)
             else:  # an EAGLE engine decoding plainly keeps each row's feature for its head (see _reprime)
-                out, features = self.steps.verify(self.model, tokens, pos, pos, mask, not groups)
-                out = out[:, 0]
+                out, features = self.steps.decode(self.model, tokens, pos, mask, not groups, True)
                 self.plain_steps += 1
                 for r, f in zip(rows, features[:, 0]):
                     if not r.done:
@@ -921,9 +944,10 @@ class Engine:
 
     def _reprime(self, rows: list):
         """Before a cycle that follows plain steps: the head reads the pairs (f_i, t_{i+1}) of each row's plain
-        steps in one forward (padded to the longest; a row without any writes scratch slots only), and its
+        steps in one forward (padded to the longest, two at least; padding and a row without any write scratch slots
+        only), and its
         prediction after a row's last token becomes that row's root."""
-        m = max(len(r.unread) for r in rows)
+        m = max(2, max(len(r.unread) for r in rows))  # one re-prime graph per bucket (Dynamo specialises m == 1)
         starts = [r.length - len(r.unread) for r in rows]
         pos = rows_tensor([[s + j for j in range(m)] for s in starts], self.device)  # [B, m]
         pad = torch.zeros_like(next(r.unread[0] for r in rows if r.unread))

@@ -98,11 +98,13 @@ def test_engines_of_other_batch_sizes_share_a_model():
             assert model.max_batch_size == s.batch_size
 
 
-@pytest.mark.parametrize("spec, kind", [(None, "default"), ("paper", "default"), ("dynamic-4-4-12", "default"),
-                                        ("paper", "frozen")])
-def test_compiled_engine_does_not_recompile(spec, kind):
+@pytest.mark.parametrize("spec, kind, adapt", [(None, "default", False), ("paper", "default", False),
+                                               ("dynamic-4-4-12", "default", False), ("paper", "frozen", False),
+                                               ("chain-2", "default", True)])
+def test_compiled_engine_does_not_recompile(spec, kind, adapt):
     """Compiled steps (by default, or with the weights frozen into the graphs) give the eager tokens; after a
-    warm-up batch, batches of other prompts (rows advancing and finishing at their own steps) compile nothing new."""
+    warm-up batch, batches of other prompts (rows advancing and finishing at their own steps) compile nothing new.
+    With the adaptation, the warm-up compiles the plain steps (the decode graph that returns features) too."""
     model = tiny_target()
     head = None if spec is None else copycat_head(model, noise=HEAD_NOISE)
     tree = None if spec is None else parse_tree(spec)
@@ -111,13 +113,15 @@ def test_compiled_engine_does_not_recompile(spec, kind):
     eager = Engine(model, 12 + n, 4, head, tree).generate(prompts, n, Sampling(), {7})[0]
     warm_ref = session_outputs(model, head, spec, warm, n, {7})[0]
     torch._dynamo.reset()
-    eng = Engine(model, 12 + n, 4, head, tree, compile=True, inductor_config=COMPILE_KINDS[kind])
+    eng = Engine(model, 12 + n, 4, head, tree, compile=True, inductor_config=COMPILE_KINDS[kind],
+                 adapt=engine.Adaptation() if adapt else None)
     eng.warm_up(warm[0])  # every bucket of rows (1, 2, 4)
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert eng.generate(prompts, n, Sampling(), {7})[0] == eager
         assert eng.generate(prompts[:2], n, Sampling(), {7})[0] == eager[:2]
         # more prompts than rows: finished rows are refilled
         assert eng.generate(prompts + warm, n, Sampling(), {7})[0] == eager + warm_ref
+    assert not adapt or eng.plain_steps > 0
 
 
 def test_compiled_steps_check_only_what_engines_change(monkeypatch):
