@@ -457,6 +457,8 @@ def markdown(result: dict, plot_names: list) -> str:
              f"temperatures {meta['temperatures']}, wall time {meta['wall_s'] / 60:.1f} min",
              f"- turn 2 of multi-turn questions is conditioned on the turn-1 answer of `{meta['reference_method']}` "
              "(same prompt for every method); times include the prefill",
+             *(["- --same_length: stop tokens ignored, every run writes max_new_tokens tokens"]
+               if meta["args"].get("same_length") else []),
              ("- speedup: per-prompt decode rate (new tokens after the first per second after it: the prefill, "
               "reported as time to first token, apart) over the baseline's on the same prompt; "
               if meta.get("speedup_from") == "decode" else
@@ -624,6 +626,8 @@ def parse_args(argv=None):
     p.add_argument("--speedup", choices=["tokens", "decode"], default="tokens", help="per-prompt speedup from "
                    "tokens/s (prefill included) or from the decode rate (tokens after the first per second after it, "
                    "prefill apart: fair where the two outputs differ in length)")
+    p.add_argument("--same_length", action="store_true", help="ignore the stop tokens: every run writes "
+                   "--max_new_tokens tokens, so that sampled texts, which stop at other lengths, compare like for like")
     p.add_argument("--dtypes", nargs="+", choices=list(PRECISION_DTYPES),
                    help="precisions: float dtypes, or int8 / int4 weight-only with bf16 activations "
                    "(int4f: int4 with the LM head in bf16) "
@@ -964,7 +968,7 @@ def run_benchmark(args, argv):
                 progress.set_postfix_str(f"{dataset} T={t:g} {item.question_id} turn {turn + 1} {m.name}")
                 torch.manual_seed(args.seed + counter)
                 outputs[m.name], r = timed_run(runners[m.name], prompt, args.max_new_tokens, sampling,
-                                               stop_ids, device)
+                                               frozenset() if args.same_length else stop_ids, device)
                 runs.append({"dataset": item.dataset, "question_id": item.question_id,
                              "category": item.category, "turn": turn + 1, "temperature": t,
                              "method": m.name, "order": position, "prompt_tokens": len(prompt), **r})

@@ -194,6 +194,27 @@ def test_turns_keeps_the_first_turns_of_each_question(tmp_path):
     assert [run["turn"] for run in result["runs"]] == [1]
 
 
+@pytest.mark.parametrize("same_length", [False, True])
+def test_same_length_runs_ignore_the_stop_tokens(tmp_path, monkeypatch, same_length):
+    """--same_length: every run is given no stop token (each writes --max_new_tokens), recorded in benchmark.md;
+    without it the runs stop at the tokenizer's stop tokens."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 2+2?"]}))
+    given = []
+    real = benchmark.timed_run
+    monkeypatch.setattr(benchmark, "timed_run", lambda runner, prompt, n, sampling, stop_ids, device:
+                        given.append(set(stop_ids)) or real(runner, prompt, n, sampling, stop_ids, device))
+    threads = torch.get_num_threads()
+    try:
+        benchmark.main(["--quick", "--questions", str(questions), "--modes", "eager", "--dtypes", "fp32",
+                        "--methods", "vanilla-fp32-eager", "--temperatures", "1", "--max_new_tokens", "4",
+                        "--threads", "1", "--out", str(tmp_path / "t")] + (["--same_length"] if same_length else []))
+    finally:
+        torch.set_num_threads(threads)
+    assert given and all((s == set()) == same_length for s in given)
+    assert ("--same_length: stop tokens ignored" in (tmp_path / "t" / "benchmark.md").read_text()) == same_length
+
+
 def test_n_alpha_and_acceptance_helpers():
     accept = [0, 1, 2, 5]
     assert benchmark.n_alpha(accept, 4) == [3 / 4, 2 / 3, 1 / 2, 1.0, 1.0]
