@@ -944,9 +944,8 @@ class Engine:
 
     def _reprime(self, rows: list):
         """Before a cycle that follows plain steps: the head reads the pairs (f_i, t_{i+1}) of each row's plain
-        steps in one forward (padded to the longest, two at least; padding and a row without any write scratch slots
-        only), and its
-        prediction after a row's last token becomes that row's root."""
+        steps in one forward (padded to the longest, two at least; padding and a row without any write scratch
+        slots only), and its prediction after a row's last token becomes that row's root."""
         m = max(2, max(len(r.unread) for r in rows))  # one re-prime graph per bucket (Dynamo specialises m == 1)
         starts = [r.length - len(r.unread) for r in rows]
         pos = rows_tensor([[s + j for j in range(m)] for s in starts], self.device)  # [B, m]

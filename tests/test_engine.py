@@ -424,20 +424,17 @@ def test_compiled_prefill_at_every_row(spec):
 
 
 # ---------------------------------------------------------------- adaptation (issue 48)
-class Pattern(engine.Adaptation):
+class Pattern(engine.Schedule):
     """A forced switch pattern: speculates as a seeded coin says (or as `choices` list, then the coin)."""
 
     def __init__(self, seed: int, choices=()):
-        super().__init__()
-        self.rng, self.choices, self.seen = random.Random(seed), list(choices), []
+        super().__init__(choices)
+        self.rng, self.seen = random.Random(seed), []
 
     def speculate(self, bucket):
-        choice = self.choices.pop(0) if self.choices else self.rng.random() < 0.5
+        choice = super().speculate(bucket) if self.choices else self.rng.random() < 0.5
         self.seen.append(choice)
         return choice
-
-    def record(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("spec", ["chain-4", "paper", "dynamic-4-4-12", "paper+lookup-3"])
