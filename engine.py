@@ -217,6 +217,9 @@ def compile_step(f: Callable, inductor_config: Optional[dict] = None, tag: Optio
 
     select_algorithm.PRINT_AUTOTUNE = False
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+    # and inductor's int8 linear lowering (quantize.W8A8CPULinear in frozen graphs) copies a tensor the old way
+    warnings.filterwarnings("ignore", message="To copy construct from a tensor", category=UserWarning,
+                            module="torch._inductor.mkldnn_lowerings")
     settings = {**inductor_config, "max_autotune_report_choices_stats": False}
 
     def run(*args, **kwargs):

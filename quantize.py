@@ -198,13 +198,27 @@ class W8A8CPULinear(CPUKernelLinear):
         INT8_PACKED.append((torch.ops.onednn.qlinear_prepack(weight.qdata, None),
                             torch.zeros(weight.qdata.shape[0], dtype=torch.int64)))
         linear.packed_index = len(INT8_PACKED) - 1
+        linear.register_buffer("int8_zeros", torch.zeros(weight.qdata.shape[0], dtype=torch.int64), persistent=False)
 
     def kernel(self, x: Tensor) -> Tensor:
         x32 = x.float()
         scale = (x32.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)  # one per token
         xq = (torch.round(x32 / scale) + 128).to(torch.uint8)  # 1..255
-        y = torch.ops.eagle_quant.int8_linear(xq, self.int8_weight, self.int8_scales, self.packed_index)
+        if torch.compiler.is_compiling() and torch._inductor.config.freezing:  # set by engine.compile_step
+            y = self.decomposed(xq)
+        else:
+            y = torch.ops.eagle_quant.int8_linear(xq, self.int8_weight, self.int8_scales, self.packed_index)
         return (y * scale).to(x.dtype)
+
+    def decomposed(self, xq: Tensor) -> Tensor:
+        """The same integer product written as PT2E's quantized pattern (dequantize both sides, then a linear).
+        In a graph compiled with frozen weights, inductor's quantization passes fold it into its own oneDNN int8
+        linear on a weight it prepacks (no opaque call left, and under max-autotune its int8 GEMM template may
+        take it); elsewhere the weight would be dequantized at every call, so only frozen graphs take this."""
+        xd = torch.ops.quantized_decomposed.dequantize_per_tensor.default(xq, 1.0, 128, 0, 255, torch.uint8)
+        w = torch.ops.quantized_decomposed.dequantize_per_channel.default(
+            self.int8_weight, self.int8_scales, self.int8_zeros, 0, -128, 127, torch.int8)
+        return F.linear(xd, w)
 
 
 class Int4CPULinear(CPUKernelLinear):

@@ -298,3 +298,28 @@ def test_w8a8_rows_do_not_depend_on_each_other():
         together = model(x)
         assert torch.equal(together, torch.cat([model(x[i:i + 1]) for i in range(6)]))
         assert torch.equal(step(x), together)
+
+
+@pytest.mark.parametrize("kind", ["frozen", "autotuned"])
+def test_w8a8_frozen_graphs_run_inductors_int8_linear_with_the_same_output(kind):
+    """In a graph compiled with frozen weights, W8A8CPULinear is written as PT2E's quantized pattern, which inductor
+    lowers to its own oneDNN int8 linear (counted: one per linear, no opaque call left); its output equals the
+    graph compiled by default, where the custom op over the prepacked weight runs (the same integer sums)."""
+    from torch._dynamo.utils import counters
+
+    import engine
+    import tuning
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 32, bias=False)).to(DTYPE)
+    quantize_(model, quantize.handler_for("w8a8").config("cpu"))
+    quantize.use_cpu_kernels(model)
+    x = torch.randn(6, 64, dtype=DTYPE) * torch.logspace(-2, 2, 6, dtype=DTYPE)[:, None]
+    with torch.no_grad():  # inductor freezes only graphs compiled without grad
+        default = engine.compile_step(lambda t: model(t), fullgraph=True, dynamic=False)(x)
+        counters.clear()
+        step = engine.compile_step(lambda t: model(t), inductor_config=tuning.COMPILE_KINDS[kind], tag="w8a8_test",
+                                   fullgraph=True, dynamic=False)
+        got = step(x)
+    assert counters["inductor"]["qlinear_unary_lower_count"] == 2
+    assert torch.equal(got, default)
