@@ -11,14 +11,13 @@ so only the prefills (eager, or compiled in the default kind) and the default ki
 bf16 prefill of 60 tokens there runs 114 ms against F.linear's 137.
 
     rows = gemm.pack_linears(model, frozen=True)  # once, before compiling (engine.Engine does it for its steps)
-    # {weight shape: n}: a linear of that shape over at least n rows (a step of that many rows, a prefill) runs
-    # packed; None: never
+    # then a linear over at least `rows` rows (a step of that many rows, a prefill) runs packed; None: nothing
 
-`pack_linears` measures the choice on the machine at hand (`packed_from_rows`): for each weight shape, the
-model's weights of that shape timed both ways in turn at 1, 2, 4 and 8 rows; the packed path starts at the first
-row count where it is faster, or never. The packed weights are opaque oneDNN tensors that torch.compile cannot
-trace, so a linear calls them through the custom op `eagle::packed_linear`, which compiled graphs keep as one
-opaque call, and finds its weight by index in PACKED. They are copies: the model's weights stay (training, the quantizer, an
+`pack_linears` measures the choice on the machine at hand (`packed_from_rows`): the model's LM head, its
+largest linear, timed both ways at 1, 2, 4 and 8 rows; the packed path starts at the first row count where it
+is faster, or never. The packed weights are opaque oneDNN tensors that torch.compile cannot trace, so a linear
+calls them through the custom op `eagle::packed_linear`, which compiled graphs keep as one opaque call, and
+finds its weight by index in PACKED. They are copies: the model's weights stay (training, the quantizer, an
 EAGLE head's LM-head rows read them), so packing costs the model's size again in memory.
 """
 import time
@@ -82,48 +81,38 @@ def median_ms(run, repeats: int = 7) -> float:
     return sorted(times)[repeats // 2] * 1e3
 
 
-def packed_from_rows(weights: list, frozen: bool, counts=(1, 2, 4, 8)) -> Optional[int]:
-    """The least row count (of counts) from which oneDNN-packed copies of weights (a model's linears of one shape)
-    multiply faster than the compile kind's own GEMM (frozen fp32: inductor's MKL-packed one; else ATen's matmul),
-    None where they never do. Timed over all of them in turn, as a step meets them (a weight the step reads once,
-    not one hot in cache): on an Intel Xeon with AMX, one thread, the LM head alone and hot said oneDNN from 8
-    rows, while an 8-row fp32 step ran 0.95x with inductor's MKL-packed linears in all its layers."""
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
-    mkl = frozen and torch._C.has_mkl and weights[0].dtype == torch.float32
+def packed_from_rows(weight: Tensor, frozen: bool, counts=(1, 2, 4, 8)) -> Optional[int]:
+    """The least row count (of counts) from which the oneDNN-packed weight multiplies faster than the compile
+    kind's own GEMM (frozen fp32: inductor's MKL-packed one; else ATen's matmul), None where it never is."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
     with torch.no_grad():
         for rows in counts:
-            x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-            if mkl:
-                theirs_packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-                theirs = median_ms(lambda: [torch.ops.mkl._mkl_linear(x, m, w, None, rows)
-                                            for m, w in zip(theirs_packed, weights)])
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            if frozen and torch._C.has_mkl and weight.dtype == torch.float32:
+                mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                theirs = median_ms(lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows))
             else:
-                theirs = median_ms(lambda: [F.linear(x, w) for w in weights])
-            if median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]) < theirs:
+                theirs = median_ms(lambda: F.linear(x, weight))
+            if median_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")) < theirs:
                 return rows
     return None
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, frozen: bool) -> dict:
-    """Make the fp32 or bf16 CPU nn.Linears of model PackedLinears, from the row count packed_from_rows measures
-    for each weight shape on the model's own weights of that shape (frozen: against the frozen compile kinds'
-    GEMM); shapes whose oneDNN copy never wins stay nn.Linear. Once: later calls return the first answer,
-    {(out_features, in_features): from_rows, or None where not packed} ({}: nothing packable, or no oneDNN)."""
+def pack_linears(model: nn.Module, frozen: bool) -> Optional[int]:
+    """Make every fp32 or bf16 CPU nn.Linear of model a PackedLinear (once; later calls return the first answer),
+    from the row count packed_from_rows measures on the model's LM head (frozen: for the frozen compile kinds);
+    returns that count (None: nothing packed). Without oneDNN, or for other weights, nothing changes."""
     if hasattr(model, "packed_from_rows"):
         return model.packed_from_rows
-    by_shape: dict = {}
-    if torch.backends.mkldnn.is_available():
-        for linear in model.modules():
-            if type(linear) is nn.Linear and packable(linear.weight.detach()):
-                by_shape.setdefault(tuple(linear.weight.shape), []).append(linear)
-    model.packed_from_rows = {shape: packed_from_rows([m.weight.detach() for m in linears], frozen)
-                              for shape, linears in by_shape.items()}
-    for shape, linears in by_shape.items():
-        if model.packed_from_rows[shape] is not None:
-            for linear in linears:
-                pack(linear, model.packed_from_rows[shape],
-                     inductor_packs=frozen and linear.weight.dtype == torch.bfloat16)
+    weight = model.output.weight.detach()
+    usable = torch.backends.mkldnn.is_available() and packable(weight)
+    model.packed_from_rows = packed_from_rows(weight, frozen) if usable else None
+    if model.packed_from_rows is None:
+        return None
+    for linear in model.modules():
+        if type(linear) is nn.Linear and packable(linear.weight.detach()):
+            pack(linear, model.packed_from_rows, inductor_packs=frozen and linear.weight.dtype == torch.bfloat16)
     return model.packed_from_rows
 
 

@@ -17,8 +17,7 @@ def test_packed_linear_equals_f_linear_eager_and_compiled():
     if not torch.backends.mkldnn.is_available():
         return
     from_rows = gemm.pack_linears(model, frozen=False)
-    assert set(from_rows) == {(96, 64), (64, 64)}  # one measurement per weight shape
-    if from_rows[64, 64] is None:  # this machine's oneDNN never wins for it: not packed, nothing to compare
+    if from_rows is None:  # this machine's oneDNN never wins: nothing packed, nothing to compare
         assert type(model.inner) is nn.Linear
         return
     assert type(model.inner) is gemm.PackedLinear and gemm.pack_linears(model, frozen=True) == from_rows
@@ -34,7 +33,7 @@ def test_packed_linear_equals_f_linear_eager_and_compiled():
 def test_packing_leaves_other_weights_alone():
     model = nn.Module()
     model.output = nn.Linear(64, 96, bias=False).to(torch.float16)
-    assert gemm.pack_linears(model, frozen=True) == {} and type(model.output) is nn.Linear
+    assert gemm.pack_linears(model, frozen=True) is None and type(model.output) is nn.Linear
 
 
 def graph_ops(fn, *args, frozen: bool = False) -> set:
@@ -77,5 +76,5 @@ def test_packing_skips_a_quantized_lm_head():
     model = Transformer(ModelArgs(dim=128, n_layer=1, n_head=4, n_local_heads=2, intermediate_size=256,
                                   vocab_size=256)).to(torch.bfloat16).eval()
     quantize.quantize_model(model, quantize.handler_for("int4", 32), quantize_lm_head=True)
-    assert gemm.pack_linears(model, frozen=True) == {}
+    assert gemm.pack_linears(model, frozen=True) is None
     assert not any(isinstance(m, gemm.PackedLinear) for m in model.modules())
