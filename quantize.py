@@ -54,6 +54,8 @@ class KnownImportNoise(logging.Filter):
 
 for _logger in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_logger).addFilter(KnownImportNoise())
+# registers torch.ops.quantized_decomposed, the ops of W8A8CPULinear.decomposed (torchao happens to import it too)
+import torch.ao.quantization.fx._decomposed  # noqa: E402,F401
 import torchao  # noqa: E402
 from torchao.prototype.quantization.int4 import Int4OpaqueTensor, PrototypeInt4WeightOnlyConfig  # noqa: E402
 from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,  # noqa: E402
@@ -195,10 +197,9 @@ class W8A8CPULinear(CPUKernelLinear):
         weight = linear.weight
         linear.register_buffer("int8_weight", weight.qdata, persistent=False)
         linear.register_buffer("int8_scales", weight.scale.reshape(-1).float().contiguous(), persistent=False)
-        INT8_PACKED.append((torch.ops.onednn.qlinear_prepack(weight.qdata, None),
-                            torch.zeros(weight.qdata.shape[0], dtype=torch.int64)))
-        linear.packed_index = len(INT8_PACKED) - 1
         linear.register_buffer("int8_zeros", torch.zeros(weight.qdata.shape[0], dtype=torch.int64), persistent=False)
+        INT8_PACKED.append((torch.ops.onednn.qlinear_prepack(weight.qdata, None), linear.int8_zeros))
+        linear.packed_index = len(INT8_PACKED) - 1
 
     def kernel(self, x: Tensor) -> Tensor:
         x32 = x.float()
