@@ -52,6 +52,12 @@ LIBRARY.impl("packed_linear", packed_linear, "CPU")
 torch.library.register_fake("eagle::packed_linear", packed_linear_shape, lib=LIBRARY)
 
 
+def tracing_frozen_graph() -> bool:
+    """Whether this call is being traced for a graph compiled with frozen weights (engine.compile_step sets inductor's
+    `freezing` while Dynamo traces): there inductor packs or lowers a plain linear itself."""
+    return torch.compiler.is_compiling() and torch._inductor.config.freezing
+
+
 class PackedLinear(nn.Linear):
     """An nn.Linear that multiplies `from_rows` rows or more through its oneDNN-packed copy; fewer rows take
     F.linear (what the compile kind makes of it), and so do graphs compiled with frozen weights where
@@ -63,8 +69,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.shape[:-1].numel()
-        frozen_graph = torch.compiler.is_compiling() and torch._inductor.config.freezing  # see compile_step
-        if (self.inductor_packs and frozen_graph) or rows < self.from_rows:
+        if (self.inductor_packs and tracing_frozen_graph()) or rows < self.from_rows:
             return F.linear(x, self.weight, self.bias)
         y = torch.ops.eagle.packed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.packed_index)
         y = y.reshape(*x.shape[:-1], self.out_features)

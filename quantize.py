@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from gemm import tracing_frozen_graph
 from model import DTYPES, CheckpointError, ModelArgs, Transformer
 
 
@@ -205,7 +206,7 @@ class W8A8CPULinear(CPUKernelLinear):
         x32 = x.float()
         scale = (x32.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)  # one per token
         xq = (torch.round(x32 / scale) + 128).to(torch.uint8)  # 1..255
-        if torch.compiler.is_compiling() and torch._inductor.config.freezing:  # set by engine.compile_step
+        if tracing_frozen_graph():
             y = self.decomposed(xq)
         else:
             y = torch.ops.eagle_quant.int8_linear(xq, self.int8_weight, self.int8_scales, self.packed_index)
