@@ -486,8 +486,10 @@ class Adaptation:
     """Whether an EAGLE engine's next step speculates (a cycle) or decodes plainly, from what its steps have cost
     and committed so far, so that EAGLE is never the slower choice for long: moving averages (EMA) of a plain
     step's and a cycle's wall time, per row bucket, and of the tokens a cycle commits per row (tau; prior: the
-    head's acceptance model's, where --tree auto had one). It speculates while tau / t_cycle beats 1 / t_step;
-    after MIN_RUN cycles below that by the margin it decodes plainly, probing with PROBE cycles after `wait`
+    head's acceptance model's, where --tree auto had one, weighing as PRIOR_WEIGHT cycles: a text's first cycles
+    are averaged, not swamped by the prior). It speculates while tau / t_cycle beats 1 / t_step; after MIN_RUN
+    cycles below that by the margin, or EARLY in a row that accepted no draft token at all (a text the head cannot
+    follow: a short answer would end before MIN_RUN), it decodes plainly, probing with PROBE cycles after `wait`
     plain steps, the wait doubling while probes lose (up to MAX_WAIT), so that text where speculation pays again
     is found. While it speculates, one plain step every REFRESH cycles keeps the price of the alternative current
     (a plain step is timed only when one runs: a noisy first price, or a machine whose load changed, would
@@ -496,7 +498,9 @@ class Adaptation:
     MARGIN = 0.03
     ALPHA = 0.1  # weight of the newest tau in its moving average (one cycle's tau is a noisy 1..depth+1)
     ALPHA_TIME = 0.25  # and of the newest wall time in theirs
+    PRIOR_WEIGHT = 2  # cycles' worth of weight the prior tau has in a text's average
     MIN_RUN, PROBE = 8, 4  # cycles before a switch to plain steps; cycles of a probe
+    EARLY = 4  # cycles in a row that commit only their bonus token: a switch before MIN_RUN
     FIRST_WAIT, MAX_WAIT = 8, 128
     REFRESH = 32  # cycles between the plain steps that re-price one while speculating
 
@@ -516,6 +520,7 @@ class Adaptation:
     def new_text(self):
         """A new sequence (Session.reset): the acceptance seen so far was another text's; the costs stay."""
         self.tau, self.speculating, self.run = self.prior_tau, True, 0
+        self.cycles = self.misses = 0  # this text's cycles; the latest of them in a row that accepted nothing
         self.wait, self.waited, self.probing = self.FIRST_WAIT, 0, 0
 
     def speculate(self, bucket: int) -> bool:
@@ -540,8 +545,11 @@ class Adaptation:
         kind and bucket is not timed (its first run allocates, and eager kernels warm up: 2x slower here)."""
         ema = lambda old, new, alpha: new if old is None else old + alpha * (new - old)  # noqa: E731
         self.seen[cycle, bucket] = self.seen.get((cycle, bucket), 0) + 1
-        if cycle and tau is not None:
-            self.tau = ema(self.tau, tau, self.ALPHA)
+        if cycle and tau is not None:  # an average of the prior and the cycles so far, until ALPHA weighs more
+            self.cycles += 1
+            weight = 1 / (self.cycles + (0 if self.prior_tau is None else self.PRIOR_WEIGHT))
+            self.tau = ema(self.tau, tau, max(self.ALPHA, weight))
+            self.misses = self.misses + 1 if tau <= 1 else 0
         if self.seen[cycle, bucket] > 1:
             times = self.t_cycle if cycle else self.t_step
             times[bucket] = ema(times.get(bucket), seconds, self.ALPHA_TIME)
@@ -551,7 +559,8 @@ class Adaptation:
         gain = self.gain(bucket)
         if self.speculating:
             self.run += 1
-            if gain is not None and self.run >= self.MIN_RUN and gain < 1 - self.MARGIN:
+            evidence = self.run >= self.MIN_RUN or self.misses >= self.EARLY
+            if gain is not None and evidence and gain < 1 - self.MARGIN:
                 self.speculating, self.waited, self.switches = False, 0, self.switches + 1
         elif self.probing:
             self.probing -= 1

@@ -525,6 +525,27 @@ def test_adaptation_follows_what_steps_cost_and_commit():
     assert a.tau == 2.0 and not a.t_step and not a.speculate(1)
 
 
+def test_adaptation_leaves_a_text_the_head_cannot_follow_early():
+    """EARLY cycles in a row that accept no draft token switch to plain steps before MIN_RUN, where speculation
+    loses on the average so far; the prior weighs as PRIOR_WEIGHT cycles, so it does not hold that average up.
+    Misses after a text's good start do not switch early: its average still pays."""
+    for prior in (None, 1.8):
+        a = engine.Adaptation(prior_tau=prior)
+        for seconds in (0.100, 0.010):
+            a.record(1, False, seconds)
+        for _ in range(a.EARLY):
+            assert a.speculating and a.speculate(1)
+            a.record(1, True, 0.015, 1.0)  # a cycle priced 1.5 plain steps, committing its bonus token only
+        assert not a.speculating and a.switches == 1 and a.run == a.EARLY < a.MIN_RUN
+        assert a.tau == pytest.approx(1.0 if prior is None else (1.8 * a.PRIOR_WEIGHT + a.EARLY) / (a.PRIOR_WEIGHT + a.EARLY))
+    a = engine.Adaptation()
+    for seconds in (0.100, 0.010):
+        a.record(1, False, seconds)
+    for tau in [3.0] * 6 + [1.0] * a.EARLY:
+        a.record(1, True, 0.015, tau)
+    assert a.speculating and a.misses == a.EARLY and a.gain(1) > 1  # (6 * 3 + 4) / 10 tokens a cycle still pay
+
+
 def test_adaptive_sampling_is_lossless(monkeypatch):
     """The sampling G-test of the first three tokens with steps switched at random between cycles and plain steps
     (one adaptation across the calls, so the re-primed head and the plain steps' sampling both run)."""
