@@ -165,7 +165,8 @@ def vllm(args, hf_dir: Path, vllm_head: Path, precision: str, k: int, prompts: l
     """One vLLM engine (precision, k) over every N, in the peers' environment."""
     job = {"model": str(hf_dir), "head": str(vllm_head), "dtype": VLLM_DTYPES[precision], "k": k,
            "concurrency": args.batch_sizes, "prompts": prompts, "max_new_tokens": args.max_new_tokens,
-           "stop_ids": sorted(stop_ids), "ignore_eos": args.same_length, "repeats": args.repeats, "long_prompts": longs if k == 0 else [],
+           "stop_ids": sorted(stop_ids), "ignore_eos": args.same_length, "repeats": args.repeats,
+           "long_prompts": longs if k == 0 else [],
            "max_model_len": max(map(len, prompts + longs)) + args.max_new_tokens + 8}
     job_path, result_path, log_path = (work / f"vllm-{precision}-k{k}.{ext}" for ext in ("job.json", "json", "log"))
     job_path.write_text(json.dumps(job))
