@@ -384,8 +384,10 @@ def prefill_row(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Ten
 def decode_rows(model: Transformer, tokens: Tensor, input_pos: Tensor, mask: Tensor, greedy: bool,
                 features: bool = False):
     """One token per row [B, 1] at slots input_pos [B, 1]: greedy tokens [B] or logits [B, V]; with features,
-    (that, the features [B, 1, dim]): an EAGLE engine's plain step keeps them for its head (a graph of its own)."""
-    logits, feats = model(tokens, input_pos, mask=mask)
+    (that, the features [B, 1, dim]): an EAGLE engine's plain step keeps them for its head (a graph of its own).
+    Those are the final norm's input for an EAGLE-1 head (model.forward's prenorm: Engine._reprime normalises
+    them), so the graph keeps the norm fused into the LM head."""
+    logits, feats = model(tokens, input_pos, mask=mask, prenorm=features)
     out = argmax_tokens(logits[:, -1]) if greedy else logits[:, -1]
     return (out, feats) if features else out
 
@@ -963,6 +965,8 @@ class Engine:
         pos = rows_tensor([[s + j for j in range(m)] for s in starts], self.device)  # [B, m]
         pad = torch.zeros_like(next(r.unread[0] for r in rows if r.unread))
         feats = torch.stack([torch.stack(r.unread + [pad] * (m - len(r.unread))) for r in rows])
+        if self.model.feature_layers is None:  # the final norm's input (decode_rows): the head reads its output
+            feats = self.model.norm(feats)
         nxt = rows_tensor([(r.tokens[s + 1: r.length + 1] + [0] * m)[:m] for r, s in zip(rows, starts)], self.device)
         own = rows_tensor([(r.tokens[s: r.length] + [0] * m)[:m] for r, s in zip(rows, starts)], self.device)
         mask = causal_mask(pos, self.span(int(pos.max()) + 1, head=True))[:, None]

@@ -194,7 +194,7 @@ class Transformer(nn.Module):
         return narrow_caches(self.kv_caches(), row)
 
     def forward(self, idx: Tensor, input_pos: Tensor, mask: Optional[Tensor] = None,
-                rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None):
+                rope_pos: Optional[Tensor] = None, logits_at: Optional[Tensor] = None, prenorm: bool = False):
         """Run tokens `idx` [B, T] written to cache slots `input_pos` [T] (or [B, T]: each row its own slots).
         mask: [T, S] (or [B, 1, T, S]) bool, True where a query may attend to a cache slot; attention reads
         slots 0..S-1 only, S <= max_seq_len (default: causal over the whole cache); SELF_CAUSAL: causal over
@@ -203,7 +203,10 @@ class Transformer(nn.Module):
         logits_at: indices into T where logits are wanted (default: all positions).
         Returns (logits [B, T' , vocab], features [B, T, dim]); features are the post-final-norm
         hidden states, the input of the LM head. With `feature_layers` set, features are instead the
-        hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim].
+        hidden states at those layer boundaries, concatenated [B, T, len(feature_layers) * dim]. prenorm
+        (without feature_layers): the final norm's input instead, which the caller normalises itself; a compiled
+        graph that returns the norm's output cannot fuse the norm into the LM head's GEMM (int4, one row: 1.3%
+        of a step).
         """
         mask = causal_mask(input_pos, self.max_seq_len) if mask is None else mask
         if not isinstance(mask, str):
@@ -222,6 +225,8 @@ class Transformer(nn.Module):
         if taps is not None:
             tapped[len(self.layers)] = x
             features = torch.cat([tapped[i] for i in taps], dim=-1)
+        elif prenorm:
+            features = x
         return self.output(selected), features
 
     @classmethod
